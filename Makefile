@@ -1,0 +1,97 @@
+# labsupport workbook. `make` alone lists the targets.
+# GNU make. Recipes below are indented with tabs.
+
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+# The one place torch is pinned. It is installed before the package, whose own range
+# (pyproject.toml: torch>=2.4,<3) admits it, so pip pulls no other torch build.
+TORCH_PIN := torch==2.13.0
+# Optional index for the torch wheel, e.g. https://download.pytorch.org/whl/cpu on a laptop
+# that should not download the CUDA build: make lab TORCH_INDEX=...
+TORCH_INDEX ?=
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUNS := $(CURDIR)/runs
+CHROMIUM := /usr/bin/chromium
+NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
+
+# JupyterLab listens on this address only; add options with LAB_ARGS="--port=8899 --no-browser".
+LAB_IP ?= 127.0.0.1
+LAB_ARGS ?=
+# Extra pytest options, e.g. make test PYTEST_ARGS="-k collectives -x"
+PYTEST_ARGS ?=
+
+# Environment of test and notebook runs: run directories go to runs/ (git-ignored).
+# MPLBACKEND is deliberately not set to Agg here: ipykernel only selects the inline backend
+# when MPLBACKEND is unset, so Agg would strip every figure from executed notebooks.
+# Headless pytest processes fall back to Agg on their own.
+RUN_ENV := LABSUPPORT_RUNS="$(RUNS)"
+
+.PHONY: help venv browser test lab notebooks clean distclean
+
+help:
+	@echo "labsupport workbook"
+	@echo
+	@echo "  make lab        install (once) and start JupyterLab on $(LAB_IP) in notebooks/ (LAB_ARGS=...)"
+	@echo "  make test       unit, multi-process, notebook (nbval) and browser tests"
+	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
+	@echo "  make venv       create .venv: $(TORCH_PIN) first, then the package with [dev]"
+	@echo "  make browser    make sure Chromium is there for the browser tests (apt-get, as root)"
+	@echo "  make clean      remove runs/ and caches (keeps .venv)"
+	@echo "  make distclean  clean, and remove .venv too"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
+	$(VPY) -m pip install -e ".[dev]"
+	touch $@
+
+# Never fails: without Chromium the browser tests skip themselves.
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then \
+		echo "browser: $(CHROMIUM) is there"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "browser: installing chromium with apt-get"; \
+		if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }; then \
+			echo "browser: apt-get could not install chromium; browser tests will be skipped"; \
+		fi; \
+	else \
+		echo "browser: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get); browser tests will be skipped"; \
+	fi
+
+test: $(STAMP) browser
+	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
+		--nbval-lax --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
+		-q -ra $(PYTEST_ARGS)
+
+lab: $(STAMP)
+	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=$(LAB_IP) $(LAB_ARGS)
+
+# Widget state and per-cell execution timestamps are not stored (they only churn diffs).
+notebooks: $(STAMP)
+ifeq ($(NOTEBOOKS),)
+	@echo "notebooks: no notebooks/*.ipynb to execute"
+else
+	$(RUN_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=600 \
+		--ExecutePreprocessor.kernel_name=python3 \
+		--ExecutePreprocessor.store_widget_state=False \
+		--ExecutePreprocessor.record_timing=False \
+		$(NOTEBOOKS)
+endif
+
+clean:
+	rm -rf runs .pytest_cache tests/artifacts build dist *.egg-info
+	find . -path ./.venv -prune -o -path ./.git -prune -o \
+		-type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
