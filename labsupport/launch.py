@@ -1,0 +1,489 @@
+"""Launch cells: start N real ranks with torchrun, stream their output, supervise, clean up.
+
+Two halves live here, one on each side of torchrun:
+
+* the launcher (`launch()`, the `%%torchrun` magic, `labsupport launch`) runs in the notebook
+  kernel or the shell. It checks the arguments, picks a free port on 127.0.0.1, starts
+  torchrun in its own process session, prints each rank's lines as they arrive, enforces a
+  timeout, and on any failure, timeout or interrupt kills the whole process tree;
+* the rank wrapper (`python -m labsupport.launch SCRIPT|-m MODULE ...`, started by torchrun
+  once per rank) prefixes the rank's output, tees it to `rank{k}.log`, records the rank's
+  exit code or traceback in the run directory, and can dump its Python stack on request so a
+  hung rank can say where it is waiting.
+
+The launcher knows nothing about models: it runs any script or module.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import faulthandler
+import json
+import os
+import re
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_NOTEBOOK_TIMEOUT = 600
+_RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|communicator was aborted|Broken pipe", re.I)
+
+
+class LaunchError(RuntimeError):
+    """A launch that was refused, failed, or timed out. Shown in notebooks without a traceback wall."""
+
+    def _render_traceback_(self):  # IPython shows this instead of the full traceback
+        return [f"\033[31m{type(self).__name__}\033[0m: {self}"]
+
+
+class RankFailed(LaunchError):
+    pass
+
+
+class LaunchTimeout(LaunchError):
+    pass
+
+
+# ---------------------------------------------------------------- run directories
+
+def runs_root() -> Path:
+    """Where run directories go: $LABSUPPORT_RUNS, else ./runs (the Makefile points it at the repo's runs/)."""
+    return Path(os.environ.get("LABSUPPORT_RUNS") or "runs")
+
+
+def make_run_dir(run_dir=None, name: str = "run") -> Path:
+    if run_dir is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        run_dir = runs_root() / f"{stamp}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+    run_dir = Path(run_dir).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise LaunchError(f"cannot use run directory {run_dir}: {e.strerror}; pass a writable --run-dir") from None
+    return run_dir
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (the OS picks it), on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- argument checks
+
+def check_target(script=None, module=None) -> list[str]:
+    """The rank command after `python -m labsupport.launch`, or a LaunchError saying what is wrong."""
+    import importlib.util
+    if (script is None) == (module is None):
+        raise LaunchError("give exactly one of a script path or -m MODULE")
+    if script is not None:
+        path = Path(script)
+        if not path.is_file():
+            raise LaunchError(f"script not found: {script}")
+        return [str(path.resolve())]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise LaunchError(f"module not found: {module} (is it installed in {sys.executable}?)")
+    return ["-m", module]
+
+
+def check_nproc(nproc, device: str = "auto") -> int:
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise LaunchError(f"nproc must be an integer >= 1, got {nproc!r}")
+    if device == "cuda":
+        import torch
+        have = torch.cuda.device_count()
+        if nproc > have:
+            raise LaunchError(f"asked for {nproc} ranks on GPUs but this machine has {have} GPU(s); "
+                              f"use --nproc {max(have, 1)} or --device cpu")
+    elif device not in ("auto", "cpu"):
+        raise LaunchError(f"device must be auto, cpu or cuda, got {device!r}")
+    return nproc
+
+
+# ---------------------------------------------------------------- process trees
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`. torchrun puts ranks in sessions of their own, so killpg is not enough."""
+    kids, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM the process and all its descendants, SIGKILL what is left after `grace_s`."""
+    pids = [proc.pid] + descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not any(_alive(p) for p in pids):
+                break
+            time.sleep(0.05)
+    proc.wait()
+
+
+def _die_with_parent(sig=signal.SIGTERM):
+    """Ask Linux to signal this process when its parent dies, so a killed launcher leaves no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# ---------------------------------------------------------------- the result
+
+@dataclass
+class RunResult:
+    """What a launch left behind: exit codes, logs, duration, and each rank's `report()`s."""
+
+    run_dir: Path
+    nproc: int
+    returncode: int
+    duration_s: float
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and all(c == 0 for c in self.exit_codes.values())
+
+    def log_path(self, rank: int) -> Path:
+        return self.run_dir / f"rank{rank}.log"
+
+    def log(self, rank: int = 0) -> str:
+        return self.log_path(rank).read_text(errors="replace")
+
+    @property
+    def reports(self) -> dict[int, list[dict]]:
+        out = {}
+        for rank in range(self.nproc):
+            path = self.run_dir / f"report-rank{rank}.jsonl"
+            if path.exists():
+                out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+    def report(self, rank: int = 0) -> dict:
+        """All values rank `rank` reported, later reports overriding earlier keys."""
+        merged: dict = {}
+        for r in self.reports.get(rank, []):
+            merged.update(r)
+        return merged
+
+    def __repr__(self):
+        status = "ok" if self.ok else f"failed (exit codes {self.exit_codes})"
+        return f"RunResult({status}, {self.nproc} rank(s), {self.duration_s:.1f} s, {self.run_dir})"
+
+
+# ---------------------------------------------------------------- the launcher
+
+def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
+           run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
+           env: dict | None = None, check: bool = True, out=None) -> RunResult:
+    """Run `script` (or `module=`) on `nproc` ranks under torchrun and wait for it.
+
+    Output of the ranks in `ranks` ("all" or e.g. "0") is written to `out` (default
+    sys.stdout) line by line as it arrives, prefixed with the rank. With `check=True` a
+    failing rank raises RankFailed naming it, a run past `timeout` seconds raises
+    LaunchTimeout naming the ranks still running and where; either way no process is left.
+    """
+    target = check_target(script, module)
+    nproc = check_nproc(nproc, device)
+    if ranks != "all" and not re.fullmatch(r"\d+(,\d+)*", str(ranks)):
+        raise LaunchError(f"ranks must be 'all' or a comma-separated list like '0', got {ranks!r}")
+    if timeout is not None and timeout <= 0:
+        raise LaunchError(f"timeout must be > 0 seconds, got {timeout}")
+    run_dir = make_run_dir(run_dir, name or Path(script or module).stem)
+    out = out or sys.stdout
+    shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
+
+    from .runtime import threads_per_rank
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+           "--monitor-interval=0.1", "-m", "labsupport.launch", *target, *map(str, args)]
+    child_env = {**os.environ, **(env or {}),
+                 "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1",
+                 "OMP_NUM_THREADS": str(threads_per_rank(nproc)),
+                 "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    if device == "cpu":
+        child_env["LABSUPPORT_DEVICE"] = "cpu"
+    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        with open(run_dir / "torchrun.log", "w") as agent_log:
+            _pump(proc, start, timeout, shown, out, agent_log)
+    except _Timeout:
+        waiting = _where_ranks_wait(run_dir, nproc)
+        kill_tree(proc)
+        raise LaunchTimeout(f"timed out after {timeout:g} s; still running: {waiting or 'no rank reported'}; "
+                            f"logs in {run_dir}") from None
+    except BaseException:  # KeyboardInterrupt from the notebook's stop button or Ctrl-C
+        kill_tree(proc)
+        raise
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+    result = RunResult(run_dir, nproc, proc.returncode, time.monotonic() - start, _exit_codes(run_dir, nproc))
+    if check and not result.ok:
+        raise RankFailed(_failure_message(result))
+    return result
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _pump(proc, start, timeout, shown, out, agent_log):
+    """Copy the ranks' lines to `out` until torchrun exits; raise _Timeout past the deadline."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf = b""
+    fd = proc.stdout.fileno()
+    while True:
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise _Timeout()
+        if not sel.select(timeout=0.1):
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = re.split(rb"\r?\n|\r", buf)
+        for raw in lines:
+            _route(raw.decode(errors="replace"), shown, out, agent_log)
+    if buf:
+        _route(buf.decode(errors="replace"), shown, out, agent_log)
+    proc.wait()
+
+
+def _route(line, shown, out, agent_log):
+    m = _RANK_LINE.match(line)
+    if m is None:  # torchrun's own chatter: kept in torchrun.log, not shown
+        agent_log.write(line + "\n")
+    elif shown is None or int(m.group(1)) in shown:
+        out.write(line + "\n")
+        out.flush()
+
+
+def _exit_codes(run_dir: Path, nproc: int) -> dict[int, int | None]:
+    """Each rank's exit code as its wrapper recorded it; None for a rank that was killed."""
+    codes = {}
+    for rank in range(nproc):
+        path = run_dir / f"exit-rank{rank}"
+        codes[rank] = int(path.read_text()) if path.exists() else None
+    return codes
+
+
+def _failure_message(result: RunResult) -> str:
+    """Name the rank that failed first with the tail of its traceback.
+
+    When one rank dies, its peers fail too, with "connection reset/closed by peer" from the
+    backend; those are consequences, so they rank after any other error, then by time.
+    """
+    errors = [json.loads(p.read_text()) for p in result.run_dir.glob("error-rank*.json")]
+    errors.sort(key=lambda e: (bool(_PEER_LOST.search(e["error"])), e["time"]))
+    if errors:
+        err = errors[0]
+        tail = "\n".join(err["traceback"].rstrip().splitlines()[-8:])
+        return f"rank {err['rank']} failed: {err['error']}\n{tail}\n(logs in {result.run_dir})"
+    if result.returncode and any(c is None for c in result.exit_codes.values()):
+        dead = [r for r, c in result.exit_codes.items() if c is None]
+        return (f"rank(s) {dead} died without a Python error (killed, out of memory or crashed); "
+                f"torchrun exited {result.returncode}; logs in {result.run_dir}")
+    bad = {r: c for r, c in result.exit_codes.items() if c}
+    return f"rank(s) exited non-zero {bad}; logs in {result.run_dir}"
+
+
+def _where_ranks_wait(run_dir: Path, nproc: int) -> str:
+    """Ask every rank still running to dump its stack (SIGUSR1), and say what each is waiting in."""
+    running = []
+    for rank in range(nproc):
+        pid_file = run_dir / f"pid-rank{rank}"
+        if pid_file.exists() and not (run_dir / f"exit-rank{rank}").exists():
+            pid = int(pid_file.read_text())
+            running.append(rank)
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    parts = []
+    for rank in running:
+        stack = run_dir / f"stack-rank{rank}.txt"
+        where = _innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
+        parts.append(f"rank {rank}" + (f" (in {where})" if where else ""))
+    return ", ".join(parts)
+
+
+def _innermost_frame(dump: str) -> str:
+    """From a faulthandler dump, the innermost labsupport.comm call if any, else the innermost frame."""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', dump)
+    if not frames:
+        return ""
+    in_comm = [func for path, _, func in frames if path.endswith(os.path.join("labsupport", "comm.py"))]
+    if in_comm:  # faulthandler lists innermost first: the outermost comm frame is the public call
+        return f"comm.{in_comm[-1]}"
+    # otherwise: the innermost call into torch.distributed, seen from the first frame outside torch
+    for i, (path, line, func) in enumerate(frames):
+        if f"{os.sep}torch{os.sep}" not in path:
+            inner = frames[i - 1][2] if i else func
+            return f"{inner} called at {Path(path).name}:{line}"
+    return f"{frames[0][2]} at {Path(frames[0][0]).name}:{frames[0][1]}"
+
+
+# ---------------------------------------------------------------- the rank wrapper
+
+class _RankStream:
+    """Line-buffered writer that prefixes every line with the rank and tees it to the rank's log."""
+
+    def __init__(self, rank: int, stream, log):
+        self.prefix, self.stream, self.log, self.pending = f"[rank {rank}] ", stream, log, ""
+
+    def write(self, text):
+        self.pending += text
+        *lines, self.pending = re.split(r"(?<=\n)|(?<=\r)", self.pending)
+        for line in lines:
+            self.stream.write(self.prefix + line)
+            self.log.write(line)
+        self.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        return self.stream.fileno()
+
+    def close_pending(self):
+        if self.pending:
+            self.write("\n")
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The traceback from the user's code down, without this wrapper's and runpy's frames."""
+    frames = traceback.extract_tb(e.__traceback__)
+    while frames and (frames[0].filename == __file__ or "runpy" in frames[0].filename):
+        frames.pop(0)
+    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+            + "".join(traceback.format_exception_only(type(e), e)))
+
+
+def _rank_main(argv: list[str]) -> int:
+    import runpy
+    rank = int(os.environ.get("RANK", 0))
+    run_dir = Path(os.environ.get("LABSUPPORT_RUN_DIR", "."))
+    _die_with_parent(signal.SIGKILL)
+    (run_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
+    stack_file = open(run_dir / f"stack-rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    log = open(run_dir / f"rank{rank}.log", "a", encoding="utf-8")
+    out = _RankStream(rank, sys.__stdout__, log)
+    sys.stdout = sys.stderr = out
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, str(Path(argv[0]).parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code)
+    except BaseException as e:  # report, then exit non-zero: torchrun stops the other ranks
+        code = 1
+        tb = _user_traceback(e)
+        out.write(tb)
+        (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}".splitlines()[0],
+             "traceback": tb}))
+    out.close_pending()
+    (run_dir / f"exit-rank{rank}").write_text(str(code))
+    return code
+
+
+# ---------------------------------------------------------------- the %%torchrun cell magic
+
+def _magic_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="%%torchrun", add_help=False)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=DEFAULT_NOTEBOOK_TIMEOUT)
+    p.add_argument("--ranks", default="all")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--name", default="cell")
+    p.add_argument("--out", default="last_run", help="variable that receives the RunResult")
+    return p
+
+
+def torchrun_magic(line: str, cell: str, user_ns: dict | None = None) -> None:
+    """`%%torchrun --nproc 4`: run the cell's code on 4 ranks; the RunResult lands in `last_run`."""
+    try:
+        opts = _magic_parser().parse_args(shlex.split(line))
+    except SystemExit:
+        raise LaunchError(f"bad %%torchrun options {line!r}; usage: {_magic_parser().format_usage().strip()}") from None
+    run_dir = make_run_dir(None, opts.name)
+    script = run_dir / "cell.py"
+    script.write_text(cell)
+    result = launch(str(script), nproc=opts.nproc, timeout=opts.timeout, run_dir=run_dir,
+                    ranks=opts.ranks, device=opts.device, name=opts.name)
+    if user_ns is not None:
+        user_ns[opts.out] = result
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))

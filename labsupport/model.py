@@ -1,0 +1,169 @@
+"""TinyGPT: a GPT-2-style decoder small enough to train on a laptop, and the named shapes.
+
+The architecture follows GPT-2 (Radford et al., 2019): token + learned position embeddings,
+pre-LayerNorm blocks of causal self-attention and a GELU MLP (4x hidden), a final LayerNorm,
+and an LM head tied to the token embedding. Every later parallelism (DDP, ZeRO, TP, PP) is
+applied to this one model, so it stays deliberately plain.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, asdict, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a model. `vocab=None` means 'take it from the tokenizer' (CPU presets)."""
+
+    name: str = "custom"
+    n_layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    vocab: int | None = None
+    seq_len: int = 64
+    bias: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if min(self.n_layers, self.hidden, self.heads, self.seq_len) < 1:
+            raise ValueError("n_layers, hidden, heads and seq_len must all be >= 1")
+
+    def with_vocab(self, vocab: int) -> "ModelConfig":
+        return replace(self, vocab=vocab)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+GPT2_VOCAB = 50257
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU presets: the notebooks and tests train these for real.
+    "nano": ModelConfig("nano", n_layers=2, hidden=64, heads=4, seq_len=64),
+    "micro": ModelConfig("micro", n_layers=4, hidden=128, heads=4, seq_len=128),
+    "mini": ModelConfig("mini", n_layers=6, hidden=256, heads=8, seq_len=256),
+    # GPT-2's released shapes (Radford et al., 2019, Table 2): context 1024, tied head, biases.
+    "gpt2": ModelConfig("gpt2", 12, 768, 12, GPT2_VOCAB, 1024),
+    "gpt2-medium": ModelConfig("gpt2-medium", 24, 1024, 16, GPT2_VOCAB, 1024),
+    "gpt2-large": ModelConfig("gpt2-large", 36, 1280, 20, GPT2_VOCAB, 1024),
+    "gpt2-xl": ModelConfig("gpt2-xl", 48, 1600, 25, GPT2_VOCAB, 1024),
+    # The workshop's configurations (analysis only: far too large to instantiate here).
+    "forge-s": ModelConfig("forge-s", 24, 2064, 24, GPT2_VOCAB, 2048),
+    "22b": ModelConfig("22b", 48, 6144, 48, GPT2_VOCAB, 2048),
+    "175b": ModelConfig("175b", 96, 12288, 96, GPT2_VOCAB, 2048),
+    "1t": ModelConfig("1t", 128, 25600, 128, GPT2_VOCAB, 2048),
+}
+CPU_PRESETS = ("nano", "micro", "mini")
+DEFAULT_PRESET = "micro"
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention where position t only attends to positions <= t."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab is None:
+            raise ValueError("ModelConfig.vocab is not set: use cfg.with_vocab(tokenizer.vocab_size)")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied: one matrix embeds and un-embeds
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2L) so the residual stream stays O(1).
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Unique parameters (the tied head counts once), as `estimate.params` predicts."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets=None):
+        b, t = idx.shape
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of length {t} is longer than the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, generator=None):
+        """Sample one token at a time, feeding the last seq_len tokens back in."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :] / max(temperature, 1e-6)
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,184 @@
+"""One rank's life: who am I, which device, which backend, seeded, logged, torn down.
+
+A rank learns its identity from environment variables that its launcher sets. torchrun sets
+RANK/WORLD_SIZE/LOCAL_RANK; Slurm's srun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID;
+MPI-style launchers (PBS with mpiexec, Cray PALS, Open MPI, MPICH/Hydra) set their own.
+`init()` reads whichever is present, so one training script runs under all of them, and as
+a plain `python script.py` with world size 1 and no process group at all.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# (rank, world size, local rank, local world size) variable names, most specific first.
+LAUNCHER_ENVS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "pals": ("PALS_RANKID", "PALS_SIZE", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE"),
+    "pmi": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+@dataclass
+class RankInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"
+
+
+def detect(env=None) -> RankInfo:
+    """Read rank/world size from whichever launcher's variables are set."""
+    env = os.environ if env is None else env
+    for launcher, (r, w, lr, lw) in LAUNCHER_ENVS.items():
+        if r in env and w in env:
+            world = int(env[w])
+            local_world = env.get(lw, "")
+            # Slurm writes e.g. "4(x2)" for tasks per node; the leading number is ours.
+            local_world = int(local_world.split("(")[0]) if local_world else min(world, _cpu_count())
+            return RankInfo(int(env[r]), world, int(env.get(lr, 0)), local_world, launcher)
+    return RankInfo()
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def recommended_nproc() -> int:
+    """One rank per GPU; on CPU, no more ranks than cores (and at least 2 to see communication)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(2, min(_cpu_count(), 8))
+
+
+def pick_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
+    """cuda+nccl when every local rank can have its own GPU, else cpu+gloo (or LABSUPPORT_DEVICE=cpu)."""
+    if os.environ.get("LABSUPPORT_DEVICE") != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """Split the cores between the ranks of one machine so they don't oversubscribe it."""
+    return max(1, _cpu_count() // max(1, local_world_size))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+class Runtime:
+    """Context manager for one rank: `with init(seed=0) as rt: ...`.
+
+    On enter the process group exists (when world size > 1), the device is chosen, threads
+    are set and RNGs seeded; on exit the group is destroyed even if the body raised, so no
+    rank lingers holding sockets.
+    """
+
+    def __init__(self, seed: int = 0, backend: str | None = None, timeout_s: float = 300,
+                 print_ranks: str = "0"):
+        self.info = detect()
+        self.device, default_backend = pick_device(self.info.local_rank, self.info.local_world_size)
+        self.backend = backend or default_backend
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.print_ranks = print_ranks
+
+    # identity, spelled as in torch.distributed
+    rank = property(lambda self: self.info.rank)
+    world_size = property(lambda self: self.info.world_size)
+    local_rank = property(lambda self: self.info.local_rank)
+    distributed = property(lambda self: self.info.world_size > 1)
+
+    def __enter__(self):
+        if self.info.launcher in ("slurm", "openmpi", "pals", "pmi"):
+            # torch.distributed's env:// rendezvous reads the torchrun names; translate.
+            os.environ.setdefault("RANK", str(self.info.rank))
+            os.environ.setdefault("WORLD_SIZE", str(self.info.world_size))
+            os.environ.setdefault("LOCAL_RANK", str(self.info.local_rank))
+        torch.set_num_threads(threads_per_rank(self.info.local_world_size))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.distributed and not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ:
+                raise RuntimeError(
+                    f"world size is {self.world_size} ({self.info.launcher}) but MASTER_ADDR is not set: "
+                    "launch through torchrun or a labsupport job script")
+            kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
+        seed_everything(self.seed)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # On an error, keep the group open: closing it would make the healthy ranks fail with
+        # "connection reset" before this rank's own error is recorded. Process exit closes it.
+        if dist.is_initialized() and exc_type is None:
+            dist.destroy_process_group()
+        return False
+
+    def print(self, *args, ranks: str | None = None, **kwargs):
+        """print() on rank 0 only (the default), or on every rank with `ranks="all"`."""
+        ranks = ranks or self.print_ranks
+        if ranks == "all" or str(self.rank) in ranks.split(","):
+            kwargs.setdefault("flush", True)
+            print(*args, **kwargs)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}) via {self.info.launcher}, "
+                f"{self.device} + {self.backend if self.distributed else 'no process group'}, "
+                f"{torch.get_num_threads()} threads")
+
+
+def init(seed: int = 0, **kwargs) -> Runtime:
+    """Start this rank: `with labsupport.runtime.init(seed=0) as rt:`."""
+    return Runtime(seed=seed, **kwargs)
+
+
+def report(**values) -> None:
+    """Send values to the launcher: one JSON line in the run directory, read back by RunResult.
+
+    Outside a labsupport launch (no LABSUPPORT_RUN_DIR), values are printed instead.
+    """
+    import json
+    run_dir = os.environ.get("LABSUPPORT_RUN_DIR")
+    rank = detect().rank
+    if not run_dir:
+        print(f"report (rank {rank}):", json.dumps(values), file=sys.stderr)
+        return
+    with open(os.path.join(run_dir, f"report-rank{rank}.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(values) + "\n")
+
+
+def _smoke_test() -> None:
+    """`python -m labsupport.runtime` under a launcher: all-reduce each rank's rank+1 (doctor runs this)."""
+    from . import comm
+    with init() as rt:
+        t = torch.tensor([float(rt.rank + 1)], device=rt.device)
+        if rt.distributed:
+            comm.all_reduce(t)
+        rt.print(rt.describe(), ranks="all")
+        report(all_reduce_sum=t.item())
+
+
+if __name__ == "__main__":
+    _smoke_test()

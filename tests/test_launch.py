@@ -1,0 +1,180 @@
+"""The launcher: real ranks under torchrun, and every way a run can go wrong leaves nothing behind."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, launch, torchrun_magic
+from conftest import processes_of, run_cli
+
+pytestmark = pytest.mark.multiprocess
+
+
+def script(tmp_path, body, name="job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+OK = """
+    import torch
+    from labsupport import comm, init, report
+    with init(seed=1) as rt:
+        t = torch.tensor([float(rt.rank + 1)])
+        comm.all_reduce(t)
+        print(f"sum={t.item()}")
+        report(sum=t.item(), rank=rt.rank, world=rt.world_size)
+"""
+
+
+def test_two_ranks_run_stream_and_report(tmp_path):
+    out = io.StringIO()
+    res = launch(script(tmp_path, OK), nproc=2, run_dir=tmp_path / "run", out=out)
+    assert res.ok and res.exit_codes == {0: 0, 1: 0}
+    lines = out.getvalue().splitlines()
+    assert "[rank 0] sum=3.0" in lines and "[rank 1] sum=3.0" in lines
+    assert res.report(1) == {"sum": 3.0, "rank": 1, "world": 2}
+    assert "sum=3.0" in res.log(0) and not res.log(0).startswith("[rank")
+    assert processes_of(res.run_dir) == []
+
+
+def test_only_rank0_output_on_request(tmp_path):
+    out = io.StringIO()
+    launch(script(tmp_path, OK), nproc=3, ranks="0", run_dir=tmp_path / "run", out=out)
+    assert out.getvalue().splitlines() == ["[rank 0] sum=6.0"]
+
+
+def test_a_raising_rank_stops_all_and_is_named(tmp_path):
+    body = """
+        import time, torch
+        from labsupport import comm, init
+        with init() as rt:
+            if rt.rank == 1:
+                raise ValueError("boom on purpose")
+            comm.all_reduce(torch.ones(1))
+            time.sleep(60)
+    """
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        launch(script(tmp_path, body), nproc=3, run_dir=tmp_path / "run", out=io.StringIO())
+    assert time.monotonic() - t0 < 30
+    msg = str(err.value)
+    assert msg.splitlines()[0] == "rank 1 failed: ValueError: boom on purpose"
+    assert "job.py" in msg and "runpy" not in msg
+    assert processes_of(tmp_path / "run") == []
+
+
+def test_hang_times_out_naming_waiting_ranks(tmp_path):
+    body = """
+        import time, torch
+        from labsupport import comm, init
+        with init() as rt:
+            if rt.rank == 0:
+                comm.all_reduce(torch.ones(1))   # rank 1 never joins
+            else:
+                time.sleep(120)
+    """
+    with pytest.raises(LaunchTimeout) as err:
+        launch(script(tmp_path, body), nproc=2, timeout=6, run_dir=tmp_path / "run", out=io.StringIO())
+    msg = str(err.value)
+    assert "timed out after 6 s" in msg
+    assert "rank 0 (in comm.all_reduce)" in msg and "rank 1" in msg
+    assert processes_of(tmp_path / "run") == []
+
+
+def test_interrupt_stops_every_process(tmp_path):
+    job = script(tmp_path, """
+        import time
+        from labsupport import init
+        with init() as rt:
+            print("started", flush=True)
+            time.sleep(120)
+    """)
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-c", f"from labsupport import launch; "
+                               f"launch({str(job)!r}, nproc=2, run_dir={str(run_dir)!r})"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not all((run_dir / f"pid-rank{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+    assert len(processes_of(run_dir)) >= 3  # torchrun + 2 ranks
+    driver.send_signal(signal.SIGINT)
+    output = driver.communicate(timeout=30)[0]
+    assert "KeyboardInterrupt" in output
+    assert processes_of(run_dir) == []
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    job = script(tmp_path, "import time\ntime.sleep(120)\n")
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-c", f"from labsupport import launch; "
+                               f"launch({str(job)!r}, nproc=2, run_dir={str(run_dir)!r})"])
+    deadline = time.monotonic() + 60
+    while not all((run_dir / f"pid-rank{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    driver.kill()  # SIGKILL: no chance to clean up; the kernel's parent-death signal does it
+    driver.wait()
+    deadline = time.monotonic() + 20
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(run_dir) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nproc=0), "nproc must be an integer >= 1"),
+    (dict(nproc=2, device="cuda"), "on GPUs but this machine has 0 GPU(s)"),
+    (dict(nproc=2, script="missing.py"), "script not found: missing.py"),
+    (dict(nproc=2, module="no_such_module_xyz"), "module not found: no_such_module_xyz"),
+    (dict(nproc=2, run_dir="/proc/not-writable"), "cannot use run directory"),
+    (dict(nproc=2, timeout=0), "timeout must be > 0"),
+])
+def test_bad_arguments_are_refused_before_start(tmp_path, kwargs, message):
+    kwargs.setdefault("script", str(script(tmp_path, OK)))
+    if "module" in kwargs:
+        kwargs.pop("script")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        launch(**kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert time.monotonic() - t0 < 2
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_cli_launch_exit_codes_and_one_line_errors(tmp_path):
+    ok = run_cli("launch", "--nproc", "2", "--json", script(tmp_path, OK))
+    assert ok.returncode == 0, ok.stderr
+    payload = json.loads(ok.stdout.splitlines()[-1])
+    assert payload["ok"] and payload["reports"]["1"][0]["sum"] == 3.0
+
+    crash = run_cli("launch", "--nproc", "2", script(tmp_path, "import sys\nsys.exit(3)\n", "exit3.py"))
+    assert crash.returncode == 1 and "exited non-zero {0: 3, 1: 3}" in crash.stderr
+
+    bad = run_cli("launch", "--nproc", "0", script(tmp_path, OK))
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    missing = run_cli("launch", "nope.py")
+    assert missing.returncode != 0 and "script not found: nope.py" in missing.stderr
+
+
+def test_cell_magic_runs_the_cell_and_stores_the_result(tmp_path, capsys):
+    ns = {}
+    torchrun_magic("--nproc 2 --ranks 0 --out res", OK, ns)
+    assert ns["res"].ok and ns["res"].report(0)["sum"] == 3.0
+    assert "[rank 0] sum=3.0" in capsys.readouterr().out
+    with pytest.raises(LaunchError, match="bad %%torchrun options"):
+        torchrun_magic("--nproc two", OK, ns)
+
+
+def test_doctor_smoke_test():
+    res = run_cli("doctor", "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.splitlines()[-1])
+    assert info["smoke_test"]["ok"] and info["backends"]["gloo"] and info["recommended_nproc"] >= 1
