@@ -1,0 +1,234 @@
+"""`labsupport` on the command line: doctor, launch, train, memory (more arrive with their notebooks).
+
+Contract (DESIGN.md 4): every command takes `--json`, and then the last line on stdout is
+one JSON object while human-readable text goes to stderr. A user mistake is one line on
+stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+from .launch import LaunchError, launch
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def _emit(args, human: str, payload: dict) -> None:
+    if args.json:
+        if human:
+            print(human, file=sys.stderr)
+        print(json.dumps(payload))
+    else:
+        print(human)
+
+
+# ---------------------------------------------------------------- doctor
+
+def cmd_doctor(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .runtime import _cpu_count, pick_device, recommended_nproc
+    device, backend = pick_device(0, 1)
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "backends": {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi")},
+        "cuda_available": torch.cuda.is_available(), "gpus": torch.cuda.device_count(),
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cpu_cores": _cpu_count(), "device": str(device), "backend": backend,
+        "recommended_nproc": recommended_nproc(),
+    }
+    lines = [f"python {info['python']}, torch {info['torch']}",
+             "backends: " + ", ".join(f"{b} {'yes' if ok else 'no'}" for b, ok in info["backends"].items()),
+             f"devices: {info['gpus']} GPU(s) {info['gpu_names'] or ''}, {info['cpu_cores']} CPU core(s); "
+             f"ranks will use {device.type} + {backend}",
+             f"recommended --nproc: {info['recommended_nproc']}"]
+    try:
+        res = launch(module="labsupport.runtime", nproc=2, timeout=args.timeout, name="doctor",
+                     out=sys.stderr if args.json else sys.stdout)
+        got = res.report(0).get("all_reduce_sum")
+        info["smoke_test"] = {"ok": got == 3.0, "seconds": round(res.duration_s, 2), "all_reduce_sum": got}
+        lines.append(f"2-rank smoke test: all_reduce of [1, 2] gave {got} (expected 3.0) in {res.duration_s:.1f} s")
+    except LaunchError as e:
+        info["smoke_test"] = {"ok": False, "error": str(e).splitlines()[0]}
+        lines.append(f"2-rank smoke test FAILED: {str(e).splitlines()[0]}")
+    _emit(args, "\n".join(lines), info)
+    return 0 if info["smoke_test"]["ok"] else 1
+
+
+# ---------------------------------------------------------------- launch
+
+def cmd_launch(args) -> int:
+    if args.module is None and not args.target:
+        raise UsageError("give a script to run, or -m MODULE")
+    script = None if args.module else args.target[0]
+    rest = args.target if args.module else args.target[1:]
+    res = launch(script, *rest, module=args.module, nproc=args.nproc, timeout=args.timeout,
+                 run_dir=args.run_dir, ranks=args.ranks, device=args.device,
+                 out=sys.stderr if args.json else sys.stdout, check=False)
+    payload = {"ok": res.ok, "exit_codes": res.exit_codes, "duration_s": res.duration_s,
+               "run_dir": str(res.run_dir), "reports": res.reports}
+    if not res.ok:
+        from .launch import _failure_message
+        print(f"labsupport: error: {_failure_message(res)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(payload))
+    return 0 if res.ok else 1
+
+
+# ---------------------------------------------------------------- train
+
+def cmd_train(args, train_argv: list[str]) -> int:
+    from .data import DataError
+    from .train import validate
+    try:
+        validate(args, args.nproc)
+    except (ValueError, DataError) as e:
+        raise UsageError(str(e)) from None
+    res = launch(None, *train_argv, module="labsupport.train", nproc=args.nproc, timeout=args.timeout,
+                 run_dir=args.run_dir, ranks=args.ranks, name=f"train-{args.strategy}",
+                 out=sys.stderr if args.json else sys.stdout)
+    reports = {r: res.report(r) for r in range(args.nproc)}
+    r0 = reports[0]
+    payload = {"strategy": args.strategy, "world_size": args.nproc, "model": r0["model"],
+               "n_params": r0["n_params"], "losses": r0["losses"], "val_losses": r0["val_losses"],
+               "tokens_per_s": r0["tokens_per_s"], "mfu": r0["mfu"], "peak_flops_source": r0["peak_flops_source"],
+               "memory": [reports[r]["memory"] for r in range(args.nproc)],
+               "comm": [reports[r]["comm"] for r in range(args.nproc)],
+               "steps": r0["steps"], "resumed_from": r0["resumed_from"], "sample": r0.get("sample"),
+               "duration_s": res.duration_s, "run_dir": str(res.run_dir)}
+    if args.json:
+        print(json.dumps(payload))
+    else:
+        print(f"final loss {payload['losses'][-1]:.4f} (first {payload['losses'][0]:.4f}), "
+              f"{payload['tokens_per_s']:,.0f} tokens/s, MFU {payload['mfu']:.1%} "
+              f"({payload['peak_flops_source']}); run directory {res.run_dir}")
+    return 0
+
+
+# ---------------------------------------------------------------- memory
+
+def cmd_memory(args) -> int:
+    from .estimate.memory import estimate_memory
+    from .model import ModelConfig, get_preset
+    if args.model:
+        cfg = get_preset(args.model)
+        if cfg.vocab is None:
+            cfg = cfg.with_vocab(args.vocab or 65)
+    elif args.params:
+        cfg = None
+    else:
+        missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq_len") if getattr(args, f) is None]
+        if missing:
+            raise UsageError("give --model PRESET, --params N, or all of --layers --hidden --heads --vocab --seq-len")
+        cfg = ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
+    override = None
+    if args.param_bytes is not None:
+        override = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
+    est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
+                          pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
+                          recompute=args.recompute, bytes_override=override, n_params=args.params)
+    gb = lambda b: f"{b / 1e9:,.2f} GB"
+    human = (f"{est['n_params']:,} parameters; per device: params {gb(est['params'])}, grads {gb(est['grads'])}, "
+             f"optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, total {gb(est['total'])}")
+    _emit(args, human, est)
+    return 0
+
+
+# ---------------------------------------------------------------- the parser
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labsupport", description="Distributed training, built from scratch.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("doctor", help="versions, backends, devices and a 2-rank smoke test")
+    d.add_argument("--timeout", type=float, default=120)
+
+    la = sub.add_parser("launch", help="run a script or module on N ranks under torchrun")
+    la.add_argument("--nproc", type=int, default=2)
+    la.add_argument("--timeout", type=float, default=None)
+    la.add_argument("--run-dir", default=None)
+    la.add_argument("--ranks", default="all", help="whose output to show: all, or e.g. 0")
+    la.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    la.add_argument("-m", dest="module", default=None, help="run a module instead of a script")
+    la.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or, after -m MODULE, ARGS")
+
+    from .train import build_parser as train_parser
+    tr = sub.add_parser("train", help="train TinyGPT with a strategy on N ranks", parents=[train_parser()],
+                        add_help=False, conflict_handler="resolve")
+    tr.add_argument("--nproc", type=int, default=1)
+    tr.add_argument("--timeout", type=float, default=None)
+    tr.add_argument("--ranks", default="0", help="whose output to show: 0 (default) or all")
+
+    m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")
+    m.add_argument("--model", default=None)
+    m.add_argument("--params", type=float, default=None, help="a parameter count, e.g. 7.5e9 (model states only)")
+    for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
+        m.add_argument(f"--{flag}", type=int, default=None)
+    m.add_argument("--micro-batch", type=int, default=1)
+    m.add_argument("--precision", choices=["fp32", "mixed"], default="mixed")
+    m.add_argument("--param-bytes", type=float, default=None)
+    m.add_argument("--grad-bytes", type=float, default=None)
+    m.add_argument("--optimizer-bytes", type=float, default=None)
+    for flag in ("dp", "tp", "pp"):
+        m.add_argument(f"--{flag}", type=int, default=1)
+    m.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    m.add_argument("--sequence-parallel", action="store_true")
+    m.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+
+    for sp in sub.choices.values():
+        sp.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    return p
+
+
+# argv flags that belong to `labsupport train` itself, not to the ranks' `python -m labsupport.train`
+_TRAIN_ONLY = {"--nproc": 1, "--timeout": 1, "--ranks": 1, "--json": 0, "--run-dir": 1}
+
+
+def _train_argv(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=")[0]
+        if flag in _TRAIN_ONLY:
+            i += 1 + (_TRAIN_ONLY[flag] if "=" not in argv[i] else 0)
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "doctor":
+            return cmd_doctor(args)
+        if args.command == "launch":
+            return cmd_launch(args)
+        if args.command == "train":
+            return cmd_train(args, _train_argv(argv[1:]))
+        if args.command == "memory":
+            return cmd_memory(args)
+    except UsageError as e:
+        print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # bad values caught by estimate/ or model presets
+        print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"labsupport {args.command}: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The single door to torch.distributed: every collective and message, counted and optionally timed.
+
+Each parallel strategy is explained by what it communicates, so every call it makes goes
+through here and is tallied per process group and per op:
+
+* `calls`;
+* `payload_bytes`: the logical buffer of the call (for all-gather and reduce-scatter the
+  full, unsharded buffer);
+* `wire_bytes`: what this rank sends under the ring algorithm (the nccl-tests "bus
+  bandwidth" factors): all-reduce 2(n-1)/n x payload; all-gather, reduce-scatter, scatter,
+  gather and all-to-all (n-1)/n x payload; broadcast, reduce and send 1 x payload.
+
+With `timing(True)` each call also records its start and end (for async calls, the end is
+when `wait()` returns), so a step can be drawn as a timeline. Ops are spelled as in
+torch.distributed and reductions are named by strings: "sum", "avg", "max", "min", "product".
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+REDUCE_OPS = (*_OPS, "avg")
+
+# op -> bytes this rank puts on the wire per payload byte, as a function of group size n
+WIRE_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+class CommStats:
+    """Counters per (group, op), and the timeline of calls when timing is on."""
+
+    def __init__(self):
+        self.counts = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+        self.events: list[dict] = []
+        self.timing = False
+        self._t0 = time.perf_counter()
+
+    def add(self, group: str, op: str, payload: int, n: int):
+        c = self.counts[(group, op)]
+        c["calls"] += 1
+        c["payload_bytes"] += int(payload)
+        c["wire_bytes"] += int(round(WIRE_FACTOR[op](n) * payload))
+
+    def by_op(self) -> dict:
+        """{op: {calls, payload_bytes, wire_bytes}} summed over groups (the `comm` JSON key)."""
+        out = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+        for (_, op), c in self.counts.items():
+            for k, v in c.items():
+                out[op][k] += v
+        return {op: dict(v) for op, v in sorted(out.items())}
+
+    def by_group(self) -> dict:
+        out: dict = defaultdict(dict)
+        for (group, op), c in sorted(self.counts.items()):
+            out[group][op] = dict(c)
+        return dict(out)
+
+    def reset(self):
+        self.counts.clear()
+        self.events.clear()
+
+
+STATS = CommStats()
+_GROUP_NAMES: dict = {}
+
+
+def reset():
+    STATS.reset()
+
+
+def counts() -> dict:
+    return STATS.by_op()
+
+
+@contextmanager
+def timing(enabled: bool = True):
+    """Record start/end of every call made inside the block (see STATS.events)."""
+    old, STATS.timing = STATS.timing, enabled
+    try:
+        yield STATS.events
+    finally:
+        STATS.timing = old
+
+
+def now() -> float:
+    """Seconds since this process's comm clock started (the timeline's time axis)."""
+    return time.perf_counter() - STATS._t0
+
+
+# ---------------------------------------------------------------- groups
+
+def new_group(ranks, name: str):
+    """A process group with a name the counters can show (every rank must call this)."""
+    group = dist.new_group(ranks=list(ranks))
+    _GROUP_NAMES[group] = name
+    return group
+
+
+def group_name(group) -> str:
+    return "world" if group is None else _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------- the recording wrapper
+
+class _Work:
+    """Wraps an async handle so the timeline gets the moment the op was waited for."""
+
+    def __init__(self, work, event, after_wait=None):
+        self._work, self._event, self._after_wait = work, event, after_wait
+
+    def wait(self):
+        self._work.wait()
+        if self._after_wait is not None:
+            self._after_wait()
+            self._after_wait = None
+        if self._event is not None and "end" not in self._event:
+            self._event["end"] = now()
+        return True
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+
+def _call(op, payload, group, fn, async_op=False, after=None, **meta):
+    """Count, time and run one communication; `after` runs once the data has arrived."""
+    n = get_world_size(group)
+    STATS.add(group_name(group), op, payload, n)
+    event = None
+    if STATS.timing:
+        event = {"op": op, "group": group_name(group), "payload_bytes": int(payload), "start": now(), **meta}
+        STATS.events.append(event)
+    work = fn()
+    if async_op:
+        return _Work(work, event, after)
+    if after is not None:
+        after()
+    if event is not None:
+        event["end"] = now()
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _reduce_op(op: str):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unsupported reduction {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    return _OPS.get(op, dist.ReduceOp.SUM)  # avg = sum, then divide (gloo has no AVG)
+
+
+def _divide_if_avg(op, tensors, group):
+    if op != "avg":
+        return None
+    n = get_world_size(group)
+
+    def divide():
+        for t in tensors:
+            t.div_(n)
+    return divide
+
+
+# ---------------------------------------------------------------- collectives
+
+def all_reduce(tensor, op="sum", group=None, async_op=False, **meta):
+    red = _reduce_op(op)
+    return _call("all_reduce", _nbytes(tensor), group,
+                 lambda: dist.all_reduce(tensor, red, group=group, async_op=async_op),
+                 async_op, _divide_if_avg(op, [tensor], group), **meta)
+
+
+def reduce(tensor, dst, op="sum", group=None, async_op=False):
+    red = _reduce_op(op)
+    after = _divide_if_avg(op, [tensor], group) if get_rank() == dst else None
+    return _call("reduce", _nbytes(tensor), group,
+                 lambda: dist.reduce(tensor, dst, red, group=group, async_op=async_op), async_op, after)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    return _call("broadcast", _nbytes(tensor), group,
+                 lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    return _call("all_gather", _nbytes(tensor) * get_world_size(group), group,
+                 lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False):
+    return _call("all_gather", _nbytes(output), group,
+                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter(output, input_list, op="sum", group=None, async_op=False):
+    red = _reduce_op(op)
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, keep our shard
+        return _gloo_reduce_scatter(output, list(input_list), op, group, async_op)
+    return _call("reduce_scatter", sum(_nbytes(t) for t in input_list), group,
+                 lambda: dist.reduce_scatter(output, list(input_list), red, group=group, async_op=async_op),
+                 async_op, _divide_if_avg(op, [output], group))
+
+
+def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
+    n = get_world_size(group)
+    return reduce_scatter(output, list(input.chunk(n)), op=op, group=group, async_op=async_op)
+
+
+def _gloo_reduce_scatter(output, input_list, op, group, async_op):
+    """Same result as reduce_scatter; costs an all-reduce on the wire, but counted as what it means."""
+    flat = torch.cat([t.reshape(-1) for t in input_list])
+    red = _reduce_op(op)
+    me = get_rank(group)
+    offset = sum(t.numel() for t in input_list[:me])
+
+    def after():
+        output.copy_(flat[offset:offset + output.numel()].view_as(output))
+        if op == "avg":
+            output.div_(get_world_size(group))
+    return _call("reduce_scatter", _nbytes(flat), group,
+                 lambda: dist.all_reduce(flat, red, group=group, async_op=async_op), async_op, after)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    return _call("scatter", _nbytes(tensor) * get_world_size(group), group,
+                 lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    return _call("gather", _nbytes(tensor) * get_world_size(group), group,
+                 lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op)
+
+
+def all_to_all(output_list, input_list, group=None, async_op=False):
+    return _call("all_to_all", sum(_nbytes(t) for t in input_list), group,
+                 lambda: dist.all_to_all(output_list, input_list, group=group, async_op=async_op), async_op)
+
+
+def barrier(group=None):
+    return _call("barrier", 0, group, lambda: dist.barrier(group=group))
+
+
+# ---------------------------------------------------------------- point to point
+
+def send(tensor, dst, group=None):
+    return _call("send", _nbytes(tensor), group, lambda: dist.send(tensor, dst, group=group), peer=dst)
+
+
+def recv(tensor, src, group=None):
+    return _call("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, src, group=group), peer=src)
+
+
+def isend(tensor, dst, group=None):
+    return _call("send", _nbytes(tensor), group, lambda: dist.isend(tensor, dst, group=group), True, peer=dst)
+
+
+def irecv(tensor, src, group=None):
+    return _call("recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, src, group=group), True, peer=src)

@@ -1,0 +1,117 @@
+"""What a training step costs, measured: memory by category, tokens/s, MFU, and the JSONL writer.
+
+Memory is counted by category because each parallelism attacks a different one: DDP none,
+ZeRO the optimizer state, gradients and parameters, tensor/pipeline parallelism all of them
+plus activations. The numbers come from the tensors themselves, so they hold on CPU too;
+on CUDA the allocator's peak is reported beside them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .estimate.flops import PEAK_TFLOPS, training_flops_per_token
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def param_bytes(model) -> int:
+    return tensor_bytes(p for p in model.parameters())
+
+
+def grad_bytes(model) -> int:
+    return tensor_bytes(p.grad for p in model.parameters())
+
+
+def optimizer_bytes(optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if torch.is_tensor(v))
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward, excluding parameters (those are counted already).
+
+    Uses `torch.autograd.graph.saved_tensors_hooks`: every tensor a forward op keeps for
+    its backward passes through `pack`, so the sum is exactly what the forward pass pins.
+    """
+
+    def __init__(self, model=None):
+        self._exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
+        self._seen = set()
+        self.bytes = 0
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._exclude and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @contextmanager
+    def measure(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+
+def cpu_peak_flops(n: int = 512, repeats: int = 5) -> float:
+    """Achievable fp32 matmul FLOP/s of this CPU (best of a few runs), the CPU's 'peak' for MFU.
+
+    CPUs publish no single peak a laptop user can look up, so we measure what a large
+    matmul reaches with the threads this rank has; MFU on CPU is relative to that.
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak FLOP/s used for MFU and a label saying where it came from."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (fp32, bf16) in PEAK_TFLOPS.items():
+            if key.lower() in name.lower():
+                peak = bf16 if dtype == torch.bfloat16 else fp32
+                return peak * 1e12, f"{key} datasheet {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+        return float("nan"), f"unknown GPU {name!r}: no peak in the table"
+    return cpu_peak_flops(), "CPU: measured fp32 matmul throughput of this rank's threads"
+
+
+def mfu(tokens_per_s: float, cfg, peak_flops: float) -> float:
+    """Model FLOPs utilization: achieved model FLOP/s over peak (PaLM, Chowdhery et al. 2022, App. B)."""
+    return tokens_per_s * training_flops_per_token(cfg) / peak_flops
+
+
+class JsonlWriter:
+    """One JSON object per line, flushed at once so a killed run keeps what it wrote."""
+
+    def __init__(self, path):
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict):
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self):
+        self._f.close()

@@ -1,0 +1,24 @@
+"""Parallel strategies, chosen by name. Each one is a `Strategy` (strategy.py) the one training loop calls.
+
+Strategies arrive with their notebooks; the registry maps a name to 'module:Class' so that
+importing labsupport never imports every strategy's dependencies.
+"""
+from __future__ import annotations
+
+import importlib
+
+STRATEGIES = {
+    "single": "labsupport.parallel.strategy:Strategy",
+}
+
+
+def strategy_names() -> list[str]:
+    return list(STRATEGIES)
+
+
+def make_strategy(name: str, rt, args):
+    try:
+        module, cls = STRATEGIES[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}") from None
+    return getattr(importlib.import_module(module), cls)(rt, args)

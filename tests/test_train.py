@@ -1,0 +1,107 @@
+"""The training loop through `labsupport train`: JSON contract, learning, memory, checkpoints, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+
+from labsupport import checkpoint
+from labsupport.train import build_parser, lr_at
+from conftest import processes_of, run_cli
+
+NANO = ["--model", "nano", "--global-batch", "8", "--sample-chars", "40", "--eval-batches", "1"]
+
+
+def train_json(*args, nproc=1):
+    res = run_cli("train", "--nproc", nproc, "--json", *NANO, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.mark.multiprocess
+def test_single_run_reports_the_contract_and_learns():
+    out = train_json("--strategy", "single", "--steps", "40", "--lr", "3e-3")
+    for key in ("strategy", "world_size", "model", "n_params", "losses", "tokens_per_s", "memory", "comm", "run_dir"):
+        assert key in out
+    assert out["strategy"] == "single" and out["world_size"] == 1
+    assert out["model"] == {"name": "nano", "n_layers": 2, "hidden": 64, "heads": 4, "vocab": out["model"]["vocab"],
+                            "seq_len": 64}
+    assert len(out["losses"]) == 40
+    assert sum(out["losses"][-5:]) / 5 < 0.8 * out["losses"][0]
+    mem = out["memory"][0]
+    assert mem["params"] == 4 * out["n_params"]           # fp32, tied head counted once
+    assert mem["grads"] == mem["params"]
+    # Adam's m and v, plus a 4-byte step counter per parameter tensor (28 tensors in nano)
+    assert mem["optimizer"] == 2 * mem["params"] + 4 * 28
+    assert mem["activations"] > 0 and mem["peak"] >= sum(mem[k] for k in ("params", "grads", "optimizer"))
+    assert out["comm"] == [{}]  # one device: nothing to communicate
+    assert out["tokens_per_s"] > 0 and isinstance(out["sample"], str) and len(out["sample"]) == 40
+    metrics = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics-rank0.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(40)) and metrics[-1]["memory"] == mem
+
+
+def test_lr_schedule_warms_up_then_decays_to_min():
+    args = Namespace(lr=1.0, min_lr=0.1, warmup=10, steps=100)
+    assert lr_at(0, args) == pytest.approx(0.1) and lr_at(9, args) == pytest.approx(1.0)
+    assert lr_at(55, args) == pytest.approx(0.55) and lr_at(100, args) == pytest.approx(0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_killed_run_resumes_bit_identically(tmp_path):
+    steps = ["--strategy", "single", "--steps", "120", "--checkpoint-every", "10"]
+    full = train_json(*steps, "--checkpoint-dir", tmp_path / "a")
+
+    ckpt = tmp_path / "b"
+    cmd = [sys.executable, "-m", "labsupport.cli", "train", "--json", *NANO, *map(str, steps),
+           "--checkpoint-dir", str(ckpt)]
+    victim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while checkpoint.latest(ckpt) is None:
+        assert time.monotonic() < deadline and victim.poll() is None
+        time.sleep(0.02)
+    os.killpg(victim.pid, signal.SIGKILL)  # the whole launch, mid-run, no cleanup
+    victim.wait()
+    killed_at = checkpoint.latest(ckpt)
+    assert killed_at < 120, "the run finished before it could be killed"
+
+    resumed = train_json(*steps, "--checkpoint-dir", ckpt, "--resume")
+    assert resumed["resumed_from"] == killed_at
+    assert resumed["losses"] == full["losses"]  # bit-identical, not approximately equal
+
+
+def test_an_unfinished_checkpoint_is_ignored(tmp_path):
+    checkpoint.save(tmp_path, 10, 0, {"x": torch.ones(2)}, barrier=lambda: None)
+    half = checkpoint.step_dir(tmp_path, 20)
+    half.mkdir()
+    (half / ".rank0.pt.tmp123").write_bytes(b"\x80\x02truncated")  # crashed mid-write, never renamed
+    assert checkpoint.latest(tmp_path) == 10
+    assert torch.equal(checkpoint.load(tmp_path, 10, 0)["x"], torch.ones(2))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "nope"], "unknown strategy 'nope'"),
+    (["--model", "gpt9"], "unknown model preset 'gpt9'"),
+    (["--model", "175b"], "is an analysis shape"),
+    (["--global-batch", "6", "--micro-batch", "4"], "--global-batch 6 must be divisible"),
+    (["--nproc", "2"], "strategy 'single' runs on one rank"),
+    (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_train_arguments_fail_fast_with_one_line(args, message):
+    t0 = time.monotonic()
+    res = run_cli("train", *args)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert time.monotonic() - t0 < 15
+
+
+def test_train_parser_defaults_match_the_contract():
+    args = build_parser().parse_args([])
+    assert (args.strategy, args.model, args.dtype, args.steps) == ("single", "micro", "fp32", 200)
