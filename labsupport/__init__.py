@@ -2,12 +2,22 @@
 
 In a notebook: `%load_ext labsupport` enables the `%%torchrun` cell magic; `launch()` is the
 same thing as a function. Inside a rank: `runtime.init()` and `report()`.
+
+The names below are imported on first use, so `labsupport.estimate` (pure math) and the
+widgets load without torch.
 """
-from .launch import LaunchError, RunResult, launch
-from .runtime import init, report
+import importlib
 
 __all__ = ["launch", "LaunchError", "RunResult", "init", "report", "load_ipython_extension"]
 __version__ = "0.1.0"
+
+_LAZY = {"launch": "launch", "LaunchError": "launch", "RunResult": "launch", "init": "runtime", "report": "runtime"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'labsupport' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython):

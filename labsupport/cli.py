@@ -85,29 +85,19 @@ def cmd_launch(args) -> int:
 
 def cmd_train(args, train_argv: list[str]) -> int:
     from .data import DataError
-    from .train import validate
+    from .train import build_parser as train_parser, run
+    options = vars(train_parser().parse_args(train_argv))
     try:
-        validate(args, args.nproc)
+        summary = run(nproc=args.nproc, timeout=args.timeout, ranks=args.ranks,
+                      out=sys.stderr if args.json else sys.stdout, **options)
     except (ValueError, DataError) as e:
         raise UsageError(str(e)) from None
-    res = launch(None, *train_argv, module="labsupport.train", nproc=args.nproc, timeout=args.timeout,
-                 run_dir=args.run_dir, ranks=args.ranks, name=f"train-{args.strategy}",
-                 out=sys.stderr if args.json else sys.stdout)
-    reports = {r: res.report(r) for r in range(args.nproc)}
-    r0 = reports[0]
-    payload = {"strategy": args.strategy, "world_size": args.nproc, "model": r0["model"],
-               "n_params": r0["n_params"], "losses": r0["losses"], "val_losses": r0["val_losses"],
-               "tokens_per_s": r0["tokens_per_s"], "mfu": r0["mfu"], "peak_flops_source": r0["peak_flops_source"],
-               "memory": [reports[r]["memory"] for r in range(args.nproc)],
-               "comm": [reports[r]["comm"] for r in range(args.nproc)],
-               "steps": r0["steps"], "resumed_from": r0["resumed_from"], "sample": r0.get("sample"),
-               "duration_s": res.duration_s, "run_dir": str(res.run_dir)}
     if args.json:
-        print(json.dumps(payload))
+        print(json.dumps(summary))
     else:
-        print(f"final loss {payload['losses'][-1]:.4f} (first {payload['losses'][0]:.4f}), "
-              f"{payload['tokens_per_s']:,.0f} tokens/s, MFU {payload['mfu']:.1%} "
-              f"({payload['peak_flops_source']}); run directory {res.run_dir}")
+        print(f"final loss {summary['losses'][-1]:.4f} (first {summary['losses'][0]:.4f}), "
+              f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {summary['mfu']:.1%} "
+              f"({summary['peak_flops_source']}); run directory {summary['run_dir']}")
     return 0
 
 
@@ -187,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # argv flags that belong to `labsupport train` itself, not to the ranks' `python -m labsupport.train`
-_TRAIN_ONLY = {"--nproc": 1, "--timeout": 1, "--ranks": 1, "--json": 0, "--run-dir": 1}
+_TRAIN_ONLY = {"--nproc": 1, "--timeout": 1, "--ranks": 1, "--json": 0}
 
 
 def _train_argv(argv: list[str]) -> list[str]:

@@ -138,4 +138,5 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, micro_batch: int):
     if micro_batch < 1 or len(x) % micro_batch:
         raise DataError(f"batch of {len(x)} sequences is not divisible by micro batch {micro_batch}; "
                         "choose a micro batch that divides it")
-    return list(zip(x.split(micro_batch), y.split(micro_batch)))
+    # clone: each micro-batch owns its memory, as it would after a copy to the device
+    return [(a.clone(), b.clone()) for a, b in zip(x.split(micro_batch), y.split(micro_batch))]

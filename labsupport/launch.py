@@ -224,13 +224,17 @@ class RunResult:
 def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
            run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
            env: dict | None = None, check: bool = True, out=None) -> RunResult:
-    """Run `script` (or `module=`) on `nproc` ranks under torchrun and wait for it.
+    """Run `script` (or `module=`, or "-m", MODULE) on `nproc` ranks under torchrun and wait for it.
 
     Output of the ranks in `ranks` ("all" or e.g. "0") is written to `out` (default
     sys.stdout) line by line as it arrives, prefixed with the rank. With `check=True` a
     failing rank raises RankFailed naming it, a run past `timeout` seconds raises
     LaunchTimeout naming the ranks still running and where; either way no process is left.
     """
+    if script == "-m":  # launch("-m", "pkg.mod", "--flag", ...) reads like the command line
+        if not args:
+            raise LaunchError("-m needs a module name")
+        script, module, args = None, args[0], args[1:]
     target = check_target(script, module)
     nproc = check_nproc(nproc, device)
     if ranks != "all" and not re.fullmatch(r"\d+(,\d+)*", str(ranks)):

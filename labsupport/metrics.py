@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .estimate.flops import PEAK_TFLOPS, training_flops_per_token
+from .estimate.flops import peak_tflops, training_flops_per_token
 
 
 def tensor_bytes(tensors) -> int:
@@ -68,7 +68,7 @@ class ActivationMeter:
             yield self
 
 
-def cpu_peak_flops(n: int = 512, repeats: int = 5) -> float:
+def cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     """Achievable fp32 matmul FLOP/s of this CPU (best of a few runs), the CPU's 'peak' for MFU.
 
     CPUs publish no single peak a laptop user can look up, so we measure what a large
@@ -88,11 +88,11 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """Peak FLOP/s used for MFU and a label saying where it came from."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, (fp32, bf16) in PEAK_TFLOPS.items():
-            if key.lower() in name.lower():
-                peak = bf16 if dtype == torch.bfloat16 else fp32
-                return peak * 1e12, f"{key} datasheet {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
-        return float("nan"), f"unknown GPU {name!r}: no peak in the table"
+        peaks = peak_tflops(name)
+        if peaks is None:
+            return float("nan"), f"unknown GPU {name!r}: no peak in the table"
+        bf16 = dtype == torch.bfloat16
+        return (peaks[1] if bf16 else peaks[0]) * 1e12, f"{name} datasheet {'bf16' if bf16 else 'fp32'}"
     return cpu_peak_flops(), "CPU: measured fp32 matmul throughput of this rank's threads"
 
 

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import torch
 
 from . import checkpoint, comm, runtime
+from .launch import make_run_dir
 from .data import BatchSampler, Corpus, DataError, load_text, micro_batches
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import DEFAULT_PRESET, PRESETS, TinyGPT, get_preset
@@ -129,7 +130,7 @@ def train(args, rt) -> dict:
     accum = args.global_batch // (dp_size * micro)
     autocast = (torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext())
 
-    run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or args.run_dir or "."
+    run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
     metrics_log = JsonlWriter(os.path.join(run_dir, f"metrics-rank{rt.rank}.jsonl"))
     peak_flops, peak_source = device_peak(rt.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     memory = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "peak": 0}
@@ -224,6 +225,41 @@ def train(args, rt) -> dict:
         model.eval()
         result["sample"] = corpus.tokenizer.decode(model.generate(prompt, args.sample_chars, 0.8, gen)[0, 1:])
     return result
+
+
+def to_argv(**options) -> list[str]:
+    """`to_argv(global_batch=8, resume=True)` -> ["--global-batch", "8", "--resume"]."""
+    argv = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None, **options) -> dict:
+    """Launch this loop on `nproc` ranks and return its summary (the `labsupport train --json` object).
+
+    `options` are the command-line flags as keywords: `run(strategy="ddp", nproc=2, steps=20)`.
+    Arguments are checked here, before any process starts.
+    """
+    from .launch import launch
+    argv = to_argv(**options)
+    args = build_parser().parse_args(argv)
+    validate(args, nproc)
+    res = launch("-m", "labsupport.train", *argv, nproc=nproc, timeout=timeout, ranks=ranks, out=out,
+                 run_dir=args.run_dir, name=f"train-{args.strategy}")
+    reports = [res.report(r) for r in range(nproc)]
+    r0 = reports[0]
+    summary = {key: r0[key] for key in ("model", "n_params", "losses", "val_losses", "tokens_per_s", "mfu",
+                                        "peak_flops", "peak_flops_source", "steps", "resumed_from",
+                                        "step_s_median")}
+    summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"),
+                   memory=[r["memory"] for r in reports], comm=[r["comm"] for r in reports],
+                   duration_s=res.duration_s, run_dir=str(res.run_dir))
+    return summary
 
 
 def main(argv=None) -> int:

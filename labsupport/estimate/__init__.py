@@ -1,0 +1,11 @@
+"""Pure math about training: what a model costs before anything runs.
+
+Every formula here cites the paper it comes from and has a test against a number printed in
+that paper. The notebooks show these predictions beside what `labsupport.metrics` measures.
+
+  params   how many parameters a TinyGPT shape has (exact) and the 12 L d^2 rule of thumb
+  flops    training FLOPs per token (6N + 12 L s d) and datasheet peaks, for MFU
+  memory   bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
+
+Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
+"""

@@ -1,0 +1,68 @@
+"""Training FLOPs per token and the peak FLOP/s of accelerators, the two halves of MFU.
+
+Model FLOPs utilization (Chowdhery et al. 2022, "PaLM", Appendix B) is the FLOP/s the model
+needs at the observed tokens/s, divided by the hardware's peak. It counts the model's FLOPs,
+not what the implementation executes (activation recomputation does not raise it), so it
+compares runs across codes and machines.
+"""
+from __future__ import annotations
+
+from .params import count_params
+
+
+def model_flops_per_token(n_params: int, n_layers: int, heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward and backward: 6N + 12 L H Q T.
+
+    Chowdhery et al. 2022 (PaLM), Appendix B. The 6N is Kaplan et al. 2020, Sec 2.1: each
+    parameter costs a multiply and an add (2 FLOPs) per token in the forward pass and twice
+    that in the backward pass. The 12 L H Q T adds the attention matmuls Q K^T and A V that
+    involve no parameters: 2 x 2 T H Q per token and layer forward, times 3 for training.
+    (Kaplan's Table 1 lists half of that attention term, 2 n_layer n_ctx d_attn forward.)
+    """
+    return 6 * n_params + 12 * n_layers * heads * head_dim * seq_len
+
+
+def training_flops_per_token(cfg) -> int:
+    """6N + 12 L s d for TinyGPT(cfg) at its full context `cfg.seq_len`.
+
+    N is every parameter except the position embeddings: the token embedding counts once and
+    stands for the tied LM head, the biggest matmul of a small model. This is nanoGPT's N
+    (`get_num_params(non_embedding=True)`) and PaLM's (which has no learned positions), so our
+    MFU compares with theirs. Kaplan's non-embedding N would leave out the LM head's 2 V d.
+    """
+    return model_flops_per_token(count_params(cfg, position_embeddings=False), cfg.n_layers,
+                                 cfg.heads, cfg.hidden // cfg.heads, cfg.seq_len)
+
+
+def forward_flops_per_token(cfg) -> int:
+    """2N + 4 L s d: one third of training, the backward pass costing twice the forward (Kaplan Sec 2.1)."""
+    return training_flops_per_token(cfg) // 3
+
+
+# GPU name substring -> (fp32, bf16 dense tensor-core) peak TFLOP/s per device, from the
+# vendors' datasheets. Lookup is the first key, in this order, that is a substring of the name
+# torch reports (case-insensitive): so "H100 PCIe" comes before "H100" and "A100" before "A10".
+#   NVIDIA H200 / H100 (SXM) / H100 PCIe / A100 / A10 / V100 Tensor Core GPU datasheets:
+#     bf16 is the dense figure, half the "with sparsity" number the datasheets print first;
+#     fp32 is the CUDA-core rate (PyTorch runs fp32 matmuls without TF32 by default).
+#     V100 has no bf16: its entry is the fp16 tensor-core peak.
+#   AMD Instinct MI300X and MI250X datasheets: fp32 is the matrix-core rate. An MI250X module is
+#     two GCDs and each is its own torch device, so its entry is half the module's 95.7 / 383.
+PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "H200": (67.0, 989.0),
+    "H100 PCIe": (51.0, 756.0),
+    "H100": (67.0, 989.0),
+    "A100": (19.5, 312.0),
+    "A10": (31.2, 125.0),
+    "V100": (15.7, 125.0),
+    "MI300X": (163.4, 1307.4),
+    "MI250X": (47.9, 191.5),
+}
+
+
+def peak_tflops(device_name: str) -> tuple[float, float] | None:
+    """(fp32, bf16) peak TFLOP/s of the first PEAK_TFLOPS key found in `device_name`, else None."""
+    for key, peaks in PEAK_TFLOPS.items():
+        if key.lower() in device_name.lower():
+            return peaks
+    return None

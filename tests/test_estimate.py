@@ -1,0 +1,233 @@
+"""estimate/ against the published numbers it cites, and against TinyGPT itself.
+
+Published figures are pinned as printed in the papers; where a paper rounds (174.6B, 31.4 GB),
+the test rounds our exact value the same way.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsupport.estimate.flops import (PEAK_TFLOPS, forward_flops_per_token, model_flops_per_token,
+                                       peak_tflops, training_flops_per_token)
+from labsupport.estimate.memory import (BYTES_PER_PARAM, activation_bytes_per_layer, estimate_memory,
+                                        model_state_bytes, tinygpt_activation_bytes)
+from labsupport.estimate.params import count_params, params_per_layer, rule_of_thumb
+from labsupport.metrics import ActivationMeter
+from labsupport.model import PRESETS, ModelConfig, TinyGPT
+
+GB = 1e9
+
+
+def test_estimate_imports_no_torch():
+    """estimate/ is pure math: it must run where torch (let alone torch.distributed) is absent."""
+    for path in Path(__file__).resolve().parents[1].joinpath("labsupport", "estimate").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in imported if m.split(".")[0] == "torch"], path.name
+
+
+# ---------------------------------------------------------------- params
+
+@pytest.mark.parametrize("cfg", [
+    PRESETS["nano"].with_vocab(65),
+    PRESETS["micro"].with_vocab(65),
+    ModelConfig("nobias", n_layers=3, hidden=48, heads=6, vocab=65, seq_len=32, bias=False),
+], ids=lambda c: c.name)
+def test_count_params_is_exact_for_tinygpt(cfg):
+    model = TinyGPT(cfg)
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert params_per_layer(cfg) == block
+
+
+def test_gpt2_published_sizes():
+    # GPT-2 small with its tied head: 124,439,808 (the count of the released checkpoint).
+    assert count_params(PRESETS["gpt2"]) == 124_439_808
+    # GPT-2 XL: Radford et al. 2019, Table 2, print 1542M; the released checkpoint has 1,557,611,200.
+    assert count_params(PRESETS["gpt2-xl"]) == 1_557_611_200
+
+
+@pytest.mark.parametrize("layers, hidden, billions", [(40, 6144, 18.4), (80, 12288, 145.6), (128, 25600, 1008.0)])
+def test_megatron_table1_sizes(layers, hidden, billions):
+    """Narayanan et al. 2021, Table 1 (vocabulary padded to 51,200, sequence 2048)."""
+    cfg = ModelConfig("m", layers, hidden, heads=hidden // 128, vocab=51200, seq_len=2048)
+    assert round(count_params(cfg) / 1e9, 1) == billions
+
+
+def test_large_presets():
+    # GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288): 174.6B counted exactly.
+    assert round(count_params(PRESETS["175b"]) / 1e9, 1) == 174.6
+    assert count_params(PRESETS["22b"]) == pytest.approx(22e9, rel=0.01)
+    assert count_params(PRESETS["1t"]) == pytest.approx(1e12, rel=0.01)
+
+
+def test_rule_of_thumb_is_12_L_d2():
+    # One layer is 12 d^2 (attention 4 d^2 + MLP 8 d^2), not the deck's 11 d^2.
+    assert rule_of_thumb(PRESETS["175b"]) == 96 * 12 * 12288**2 == 173_946_175_488
+    for name in ("22b", "175b", "1t"):
+        cfg = PRESETS[name]
+        assert params_per_layer(cfg) == pytest.approx(12 * cfg.hidden**2, rel=1e-3)
+        assert rule_of_thumb(cfg) == pytest.approx(count_params(cfg), rel=0.02)
+
+
+# ---------------------------------------------------------------- flops
+
+def test_palm_540b_mfu():
+    """PaLM, Chowdhery et al. 2022, App. B: 540B at 238.3K tokens/s on 6144 TPU v4 is 46.2% MFU."""
+    # Table 1: 118 layers, 48 heads of dimension 256, sequence 2048; 540.35B parameters.
+    per_token = model_flops_per_token(540.35e9, n_layers=118, heads=48, head_dim=256, seq_len=2048)
+    tpu_v4_peak = 275e12
+    assert round(238.3e3 * per_token / (6144 * tpu_v4_peak), 3) == 0.462
+
+
+def test_gpt3_training_compute():
+    """GPT-3, Brown et al. 2020, Table D.1: 175B on 300B tokens is 3.14e23 FLOPs, counted as 6ND
+    without attention (their App. D: the attention share is under 10%)."""
+    cfg = PRESETS["175b"]
+    tokens = 300e9
+    assert round(6 * count_params(cfg, position_embeddings=False) * tokens / 1e23, 2) == 3.14
+    with_attention = training_flops_per_token(cfg) * tokens
+    assert 1.0 < with_attention / 3.14e23 < 1.1
+
+
+def test_nanogpt_convention_for_gpt2():
+    """N leaves out the position table only, as nanoGPT's get_num_params() (123.65M for GPT-2)."""
+    cfg = PRESETS["gpt2"]
+    n = 124_439_808 - 1024 * 768
+    assert round(n / 1e6, 2) == 123.65
+    assert training_flops_per_token(cfg) == 6 * n + 12 * 12 * 1024 * 768
+    assert forward_flops_per_token(cfg) == 2 * n + 4 * 12 * 1024 * 768
+
+
+def test_peak_lookup_prefers_specific_names():
+    assert peak_tflops("NVIDIA H200") == (67.0, 989.0)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == (67.0, 989.0)
+    assert peak_tflops("NVIDIA H100 PCIe") == (51.0, 756.0)
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == (19.5, 312.0)
+    assert peak_tflops("NVIDIA A10") == (31.2, 125.0)
+    assert peak_tflops("AMD Instinct MI250X") == (47.9, 191.5)
+    assert peak_tflops("Intel(R) Xeon(R)") is None
+    # Every key must be reachable: no earlier key may be a substring of a later one.
+    keys = list(PEAK_TFLOPS)
+    for i, later in enumerate(keys):
+        assert not [k for k in keys[:i] if k.lower() in later.lower()], later
+
+
+# ---------------------------------------------------------------- memory: model states
+
+def test_bytes_per_param_is_16_for_adam():
+    """ZeRO, Rajbhandari et al. 2020, Sec 3.1: mixed-precision Adam is 2 + 2 + K with K = 12."""
+    assert BYTES_PER_PARAM["mixed"] == dict(params=2, grads=2, optimizer=12)
+    assert sum(BYTES_PER_PARAM["mixed"].values()) == sum(BYTES_PER_PARAM["fp32"].values()) == 16
+
+
+@pytest.mark.parametrize("zero, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_figure1(zero, published_gb):
+    """ZeRO Figure 1: Psi = 7.5B parameters, N_d = 64, K = 12, bytes per device in GB."""
+    states = model_state_bytes(7_500_000_000, "mixed", dp=64, zero=zero)
+    assert round(sum(states.values()) / GB, 1) == published_gb
+
+
+def test_zero_figure1_exact():
+    # P_os: 2 Psi + 2 Psi + K Psi / N_d = 30 GB + 90/64 GB, exactly.
+    assert sum(model_state_bytes(7_500_000_000, dp=64, zero=1).values()) == 31_406_250_000
+
+
+def test_workshop_model_states_and_the_decks_20x():
+    """Model states of the workshop models; the deck's "20x" row disagrees with its own items."""
+    assert sum(model_state_bytes(22_000_000_000).values()) == 352 * GB
+    assert sum(model_state_bytes(175_000_000_000).values()) == 2_800 * GB
+    assert sum(model_state_bytes(1_000_000_000_000).values()) == 16_000 * GB
+    deck_items = dict(weights=6, gradients=4, optimizer=8)  # fp16 + fp32 master, fp32 grads, m and v
+    deck_total = 20
+    assert sum(deck_items.values()) == 18 != deck_total
+    assert 22e9 * deck_total == 440 * GB and 22e9 * sum(deck_items.values()) == 396 * GB
+
+
+# ---------------------------------------------------------------- memory: activations
+
+def test_korthikanti_22b_layer():
+    """Korthikanti et al. 2022, Table 3's 22B: a = 64, h = 6144, s = 2048, t = 8; b = 1 here.
+
+    Sec 4.2.1, tensor parallel: s b h (10 + 24/t + 5 a s / (h t))
+      = 2048 * 6144 * (10 + 3 + 40/3) = 125,829,120 + 37,748,736 + 167,772,160 bytes.
+    """
+    shape = dict(seq_len=2048, micro_batch=1, hidden=6144, heads=64)
+    sbh = 2048 * 6144
+    assert activation_bytes_per_layer(**shape) == sbh * 34 + 5 * 64 * 2048**2  # Sec 4.1
+    assert activation_bytes_per_layer(**shape, tp=8) == 331_350_016
+    assert activation_bytes_per_layer(**shape, tp=8, sequence_parallel=True) == (34 * sbh + 5 * 64 * 2048**2) // 8
+    assert activation_bytes_per_layer(**shape, tp=8, recompute="selective") == sbh * 13
+    assert activation_bytes_per_layer(**shape, tp=8, sequence_parallel=True, recompute="selective") == 34 * sbh // 8
+    assert activation_bytes_per_layer(**shape, tp=8, recompute="full") == 2 * sbh
+
+
+def test_korthikanti_5x_for_1t():
+    """The abstract's "5x less activation memory": sequence parallel + selective recompute vs
+    tensor parallel alone, for Table 3's 1T (a = 160, h = 25600, s = 2048, t = 8): 21 / 4.25."""
+    shape = dict(seq_len=2048, micro_batch=1, hidden=25600, heads=160, tp=8)
+    baseline = activation_bytes_per_layer(**shape)
+    both = activation_bytes_per_layer(**shape, sequence_parallel=True, recompute="selective")
+    assert round(baseline / both, 1) == 4.9
+
+
+def test_estimate_memory_combines_the_parts():
+    cfg = PRESETS["175b"]
+    est = estimate_memory(cfg, micro_batch=1, dp=8, tp=8, pp=8, zero=1, sequence_parallel=True,
+                          recompute="selective")
+    n = count_params(cfg)
+    assert est["n_params"] == n
+    psi = -(-n // 64)
+    assert (est["params"], est["grads"], est["optimizer"]) == (2 * psi, 2 * psi, -(-12 * psi // 8))
+    sbh = 2048 * 12288
+    assert est["activations"] == 96 * 34 * sbh // 8  # first stage: pp micro-batches x L/pp layers
+    assert est["total"] == sum(est[k] for k in ("params", "grads", "optimizer", "activations"))
+    assert all(isinstance(v, int) for v in est.values())
+    fp32 = estimate_memory(cfg, precision="fp32", dp=8, tp=8, pp=8, zero=1, sequence_parallel=True,
+                           recompute="selective")
+    assert fp32["activations"] == 2 * est["activations"]
+
+
+def test_estimate_memory_from_a_parameter_count():
+    est = estimate_memory(n_params=7.5e9, dp=64, zero=3)
+    assert est["activations"] == 0 and round(est["total"] / GB, 1) == 1.9
+    custom = estimate_memory(n_params=1000, bytes_override=dict(params=2, grads=4, optimizer=12))
+    assert (custom["params"], custom["grads"], custom["optimizer"]) == (2000, 4000, 12000)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(zero=4), "zero must be"),
+    (dict(precision="fp8"), "unknown precision"),
+    (dict(tp=5), "heads"),
+    (dict(pp=5), "layers"),
+    (dict(recompute="some"), "unknown recompute"),
+    (dict(dp=0), ">= 1"),
+    (dict(bytes_override=dict(params=2)), "all three"),
+])
+def test_estimate_memory_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        estimate_memory(PRESETS["gpt2"], **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("cfg, micro_batch, dtype", [
+    (ModelConfig("a", n_layers=1, hidden=32, heads=2, vocab=65, seq_len=16), 1, torch.float32),
+    (ModelConfig("b", n_layers=2, hidden=64, heads=4, vocab=65, seq_len=32), 3, torch.float32),
+    (ModelConfig("c", n_layers=3, hidden=48, heads=8, vocab=97, seq_len=24, bias=False), 2, torch.float32),
+    (ModelConfig("d", n_layers=2, hidden=64, heads=4, vocab=65, seq_len=32), 2, torch.bfloat16),
+], ids=["L1", "L2-b3", "nobias", "bf16"])
+def test_tinygpt_activations_match_the_meter(cfg, micro_batch, dtype):
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(dtype)
+    x = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq_len))
+    meter = ActivationMeter(model)
+    with meter.measure():
+        model(x, y)
+    assert meter.bytes == tinygpt_activation_bytes(cfg, micro_batch, dtype_bytes=dtype.itemsize)

@@ -1,0 +1,84 @@
+"""runtime: identity from every launcher's variables, device choice, threads; and the house rules."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsupport import runtime
+
+PKG = Path(runtime.__file__).parent
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1, 0, "none")),
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (3, 8, 1, "torchrun")),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x4)"},
+     (5, 16, 1, "slurm")),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, (2, 4, 0, "openmpi")),
+    ({"PALS_RANKID": "7", "PALS_SIZE": "8", "PALS_LOCAL_RANKID": "3", "PALS_LOCAL_SIZE": "4"}, (7, 8, 3, "pals")),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, (1, 2, 1, "pmi")),
+])
+def test_rank_identity_from_each_launcher(env, expected):
+    info = runtime.detect(env)
+    assert (info.rank, info.world_size, info.local_rank, info.launcher) == expected
+
+
+def test_slurm_tasks_per_node_with_repeat_count():
+    assert runtime.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"}).local_world_size == 4
+
+
+def test_cpu_gets_gloo_and_threads_are_split(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.pick_device(0, 2) == (torch.device("cpu"), "gloo")
+    monkeypatch.setattr(runtime, "_cpu_count", lambda: 8)
+    assert runtime.threads_per_rank(4) == 2 and runtime.threads_per_rank(16) == 1
+
+
+def test_gpus_get_nccl_only_if_every_local_rank_has_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert runtime.pick_device(1, 2) == (torch.device("cuda", 1), "nccl")
+    assert runtime.pick_device(1, 4)[1] == "gloo"
+    monkeypatch.setenv("LABSUPPORT_DEVICE", "cpu")
+    assert runtime.pick_device(0, 1)[1] == "gloo"
+
+
+def test_single_process_needs_no_process_group():
+    with runtime.init(seed=7) as rt:
+        assert rt.world_size == 1 and not rt.distributed and not torch.distributed.is_initialized()
+        a = torch.rand(3)
+    with runtime.init(seed=7):
+        assert torch.equal(a, torch.rand(3))  # seeded
+
+
+def test_world_size_without_rendezvous_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+        with runtime.init():
+            pass
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("folder", ["estimate", "widgets"])
+def test_estimate_and_widgets_never_import_torch_distributed(folder):
+    for path in (PKG / folder).glob("*.py"):
+        assert not any(n.startswith("torch.distributed") for n in _imports(path)), path
+
+
+def test_parallel_strategies_communicate_only_through_comm():
+    for path in (PKG / "parallel").glob("*.py"):
+        source = path.read_text()
+        assert not any(n.startswith("torch.distributed") for n in _imports(path)), path
+        assert "dist." not in source and "print(" not in source and "argparse" not in source, path
