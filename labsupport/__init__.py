@@ -3,15 +3,17 @@
 In a notebook: `%load_ext labsupport` enables the `%%torchrun` cell magic; `launch()` is the
 same thing as a function. Inside a rank: `runtime.init()` and `report()`.
 
-The names below are imported on first use, so `labsupport.estimate` (pure math) and the
-widgets load without torch.
+`init` and `report` are imported on first use, so `labsupport.estimate` (pure math) and the
+widgets load without torch; the launcher needs no torch in this process either.
 """
 import importlib
+
+from .launch import LaunchError, RunResult, launch
 
 __all__ = ["launch", "LaunchError", "RunResult", "init", "report", "load_ipython_extension"]
 __version__ = "0.1.0"
 
-_LAZY = {"launch": "launch", "LaunchError": "launch", "RunResult": "launch", "init": "runtime", "report": "runtime"}
+_LAZY = {"init": "runtime", "report": "runtime"}
 
 
 def __getattr__(name):
