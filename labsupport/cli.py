@@ -130,6 +130,22 @@ def cmd_memory(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- bench
+
+def cmd_bench(args) -> int:
+    from .bench import run
+    options = {"sizes": args.sizes, "repeats": args.repeats} if args.name == "collectives" else {}
+    summary = run(args.name, nproc=args.nproc, timeout=args.timeout, out=sys.stderr, **options)
+    lines = [f"{'name':<22}{'impl':<11}{'bytes':>10}{'median s':>12}{'busbw GB/s':>12}"]
+    for r in summary["rows"]:
+        lines.append(f"{r['name']:<22}{r['impl']:<11}{r['bytes']:>10}{r['seconds']:>12.6f}{r.get('busbw_GBps', 0):>12.3f}")
+    for key, fit in summary.get("fits", {}).items():
+        lines.append(f"fit {key:<28} alpha {fit['alpha_s'] * 1e6:8.1f} us   1/beta {1 / fit['beta_s_per_byte'] / 1e9 if fit['beta_s_per_byte'] else float('inf'):8.2f} GB/s")
+    lines.append(f"ratio ours/reference ({summary['headline']}): {summary['ratio']:.2f}x time")
+    _emit(args, "\n".join(lines), summary)
+    return 0
+
+
 # ---------------------------------------------------------------- the parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--nproc", type=int, default=1)
     tr.add_argument("--timeout", type=float, default=None)
     tr.add_argument("--ranks", default="0", help="whose output to show: 0 (default) or all")
+
+    from .bench import BENCHMARKS
+    b = sub.add_parser("bench", help="ours vs torch's implementation, measured in one run")
+    b.add_argument("name", choices=BENCHMARKS)
+    b.add_argument("--nproc", type=int, default=2)
+    b.add_argument("--timeout", type=float, default=600)
+    b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
+    b.add_argument("--repeats", type=int, default=5)
 
     m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")
     m.add_argument("--model", default=None)
@@ -205,6 +229,8 @@ def main(argv=None) -> int:
             return cmd_train(args, _train_argv(argv[1:]))
         if args.command == "memory":
             return cmd_memory(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except UsageError as e:
         print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
         return 2

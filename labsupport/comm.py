@@ -23,24 +23,14 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .estimate.comm_cost import BUS_FACTOR
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
 REDUCE_OPS = (*_OPS, "avg")
 
 # op -> bytes this rank puts on the wire per payload byte, as a function of group size n
-WIRE_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,
-    "barrier": lambda n: 0.0,
-}
+WIRE_FACTOR = BUS_FACTOR
 
 
 class CommStats:

@@ -6,6 +6,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   params   how many parameters a TinyGPT shape has (exact) and the 12 L d^2 rule of thumb
   flops    training FLOPs per token (6N + 12 L s d) and datasheet peaks, for MFU
   memory   bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
+  comm_cost         alpha-beta time of each collective (ring, tree, ...), nccl-tests bus bandwidth
+  collective_steps  which chunk each rank sends at each step of each collective (runtime + widget)
 
 Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
 """

@@ -1,0 +1,46 @@
+"""`labsupport bench ...`: ours against torch's own implementation, measured in the same run.
+
+Each benchmark is a module here that runs on the ranks (`python -m labsupport.bench.NAME`
+under the launcher) and reports raw timings from rank 0; `summarize()` in the same module
+turns them into rows and the headline ratio. Ours and the reference alternate inside one
+loop, so drift of the machine (other processes, frequency scaling) hits both alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+BENCHMARKS = ("collectives",)
+
+
+def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:
+    """Time each callable `repeats` times, interleaved (A B A B ...), `sync()` before each start."""
+    times = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def run(name: str, nproc: int = 2, timeout: float | None = 600, out=None, **options) -> dict:
+    """Launch benchmark `name` on `nproc` ranks; return its summary (rows, ratio, ...)."""
+    import importlib
+
+    from ..launch import launch
+    from ..train import to_argv
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
+    module = importlib.import_module(f".{name}", __name__)
+    module.check(nproc=nproc, **options)
+    res = launch("-m", f"labsupport.bench.{name}", *to_argv(**options), nproc=nproc, timeout=timeout,
+                 ranks="0", out=out, name=f"bench-{name}")
+    summary = module.summarize(res.report(0), nproc)
+    summary.update(benchmark=name, nproc=nproc, run_dir=str(res.run_dir))
+    return summary

@@ -1,0 +1,116 @@
+"""Benchmark: our collectives from send/recv against the backend's own, over a size sweep.
+
+Measured on every size: all-reduce (our ring vs the backend's), all-gather (ring vs
+all_gather_into_tensor), reduce-scatter (ring vs the backend's where it has one) and
+broadcast (binomial tree vs the backend's). For each we report the median time, algorithm
+bandwidth and bus bandwidth (nccl-tests definitions), fit alpha and beta of the ring model
+to the sweep, and the headline ratio: our ring all-reduce / the backend's at 16 MB.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..estimate.comm_cost import algbw, busbw, fit_alpha_beta
+
+DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes: 4 KB .. 16 MB
+HEADLINE_BYTES = 2**24
+
+
+def check(nproc: int, sizes=None, repeats: int = 5) -> None:
+    """Bad options fail here, before any rank starts."""
+    if nproc < 2:
+        raise ValueError("bench collectives needs --nproc 2 or more: one rank has nobody to talk to")
+    if repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    for s in _parse_sizes(sizes):
+        if s < 4 or s % 4:
+            raise ValueError(f"sizes are bytes of float32 data: multiples of 4, got {s}")
+
+
+def _parse_sizes(sizes) -> list[int]:
+    if sizes is None:
+        return list(DEFAULT_SIZES)
+    if isinstance(sizes, str):
+        sizes = sizes.split(",")
+    return [int(float(s)) for s in sizes]
+
+
+def measure(sizes: list[int], repeats: int) -> list[dict]:
+    """Run on every rank; returns raw timings (rank 0's are reported)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import algorithms, comm
+    from . import alternate, median
+
+    n = comm.get_world_size()
+    has_reduce_scatter = dist.get_backend() != "gloo"
+    rows = []
+    for size in sizes:
+        x = torch.rand(size // 4, generator=torch.Generator().manual_seed(comm.get_rank()))
+        gathered = torch.empty(n * (x.numel() // n))
+        mine = x[: x.numel() // n].clone()
+        shard = torch.empty(x.numel() // n)
+        cases = {
+            "all_reduce": {"ours": lambda: algorithms.ring_all_reduce(x.clone()),
+                           "reference": lambda: dist.all_reduce(x.clone())},
+            "all_gather": {"ours": lambda: algorithms.ring_all_gather(gathered, mine),
+                           "reference": lambda: dist.all_gather_into_tensor(gathered, mine)},
+            "broadcast": {"ours": lambda: algorithms.tree_broadcast(x.clone(), 0),
+                          "reference": lambda: dist.broadcast(x.clone(), 0)},
+        }
+        if has_reduce_scatter:
+            cases["reduce_scatter"] = {"ours": lambda: algorithms.ring_reduce_scatter(x[: n * shard.numel()]),
+                                       "reference": lambda: dist.reduce_scatter_tensor(shard, x[: n * shard.numel()])}
+        for op, impls in cases.items():
+            for fn in impls.values():
+                fn()  # warm-up: connections, allocations
+            times = alternate(impls, repeats, sync=dist.barrier)
+            for impl, ts in times.items():
+                rows.append({"op": op, "impl": impl, "bytes": size, "seconds": median(ts)})
+    return rows
+
+
+def summarize(report: dict, nproc: int) -> dict:
+    """Bandwidths per row, alpha-beta fits per (op, impl), and the headline ratio."""
+    rows = report["rows"]
+    for r in rows:
+        r["name"] = f"{r['op']}-{'ring' if r['impl'] == 'ours' and r['op'] != 'broadcast' else r['impl']}"
+        r["algbw_GBps"] = algbw(r["bytes"], r["seconds"]) / 1e9
+        r["busbw_GBps"] = busbw(r["op"], r["bytes"], r["seconds"], nproc) / 1e9
+    fits = {}
+    for op in sorted({r["op"] for r in rows}):
+        for impl in ("ours", "reference"):
+            pts = [r for r in rows if r["op"] == op and r["impl"] == impl]
+            if len({r["bytes"] for r in pts}) >= 2:
+                algorithm = "tree" if op == "broadcast" else "ring"
+                alpha, beta = fit_alpha_beta([r["bytes"] for r in pts], [r["seconds"] for r in pts],
+                                             op=op, algorithm=algorithm, p=nproc)
+                fits[f"{op}/{impl}"] = {"algorithm": algorithm, "alpha_s": alpha, "beta_s_per_byte": beta}
+    ratios = {}
+    for r in rows:
+        if r["impl"] == "ours":
+            ref = next(q for q in rows if q["op"] == r["op"] and q["bytes"] == r["bytes"] and q["impl"] == "reference")
+            ratios.setdefault(r["op"], {})[r["bytes"]] = r["seconds"] / ref["seconds"]
+    size = max((r["bytes"] for r in rows if r["op"] == "all_reduce"), key=lambda b: (b <= HEADLINE_BYTES, b))
+    return {"rows": rows, "fits": fits, "ratios": ratios, "headline": f"ring all_reduce vs backend at {size} bytes",
+            "ratio": ratios["all_reduce"][size], "backend": report["backend"]}
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from .. import report
+    from ..runtime import init
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default=None, help="comma-separated bytes, e.g. 4096,1e6,16e6")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    with init() as rt:
+        rows = measure(_parse_sizes(args.sizes), args.repeats)
+        if rt.rank == 0:
+            report(rows=rows, backend=dist.get_backend())
+
+
+if __name__ == "__main__":
+    main()

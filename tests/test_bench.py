@@ -1,0 +1,37 @@
+"""`labsupport bench`: the contract (rows, ratio) and what the summary computes. No test asserts a time."""
+import json
+
+import pytest
+
+from labsupport.bench import collectives
+from conftest import run_cli
+
+
+@pytest.mark.multiprocess
+def test_bench_collectives_reports_rows_fits_and_ratio():
+    res = run_cli("bench", "collectives", "--nproc", "2", "--sizes", "4096,65536", "--repeats", "2", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    ops = {(r["op"], r["impl"]) for r in out["rows"]}
+    assert {("all_reduce", "ours"), ("all_reduce", "reference"), ("all_gather", "ours"), ("broadcast", "reference")} <= ops
+    assert all(r["seconds"] > 0 and r["busbw_GBps"] > 0 for r in out["rows"])
+    assert out["ratio"] > 0 and out["headline"].endswith("65536 bytes") and out["backend"] == "gloo"
+    assert "all_reduce/ours" in out["fits"]
+
+
+def test_summary_bandwidths_and_ratio_from_known_timings():
+    rows = [{"op": "all_reduce", "impl": impl, "bytes": b, "seconds": s}
+            for impl, b, s in [("ours", 1000, 2e-3), ("reference", 1000, 1e-3),
+                               ("ours", 2**24, 0.04), ("reference", 2**24, 0.032)]]
+    out = collectives.summarize({"rows": rows, "backend": "gloo"}, nproc=4)
+    assert out["ratio"] == pytest.approx(0.04 / 0.032)
+    big = next(r for r in out["rows"] if r["impl"] == "ours" and r["bytes"] == 2**24)
+    assert big["algbw_GBps"] == pytest.approx(2**24 / 0.04 / 1e9)
+    assert big["busbw_GBps"] == pytest.approx(big["algbw_GBps"] * 2 * 3 / 4)  # nccl-tests factor 2(n-1)/n
+
+
+def test_bad_bench_options_fail_before_launch():
+    res = run_cli("bench", "collectives", "--nproc", "1")
+    assert res.returncode == 2 and "needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("bench", "collectives", "--sizes", "4097")
+    assert res.returncode == 2 and "multiples of 4" in res.stderr
