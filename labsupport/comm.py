@@ -201,14 +201,18 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                  lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only the first
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_into_tensor(output, input, group=None, async_op=False):
     return _call("all_gather", _nbytes(output), group,
-                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+                 lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter(output, input_list, op="sum", group=None, async_op=False):
     red = _reduce_op(op)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, keep our shard
+    if not _native_reduce_scatter(group):  # gloo before torch 2.6: all-reduce, keep our shard
         return _gloo_reduce_scatter(output, list(input_list), op, group, async_op)
     return _call("reduce_scatter", sum(_nbytes(t) for t in input_list), group,
                  lambda: dist.reduce_scatter(output, list(input_list), red, group=group, async_op=async_op),
@@ -218,6 +222,26 @@ def reduce_scatter(output, input_list, op="sum", group=None, async_op=False):
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
     n = get_world_size(group)
     return reduce_scatter(output, list(input.chunk(n)), op=op, group=group, async_op=async_op)
+
+
+_HAS_REDUCE_SCATTER: dict = {}
+
+
+def _native_reduce_scatter(group) -> bool:
+    """Whether the backend implements reduce_scatter (NCCL does; gloo only in newer torch).
+
+    Probed once per backend with an empty call: an unsupported op fails locally, on every
+    rank alike, before anything is sent.
+    """
+    backend = dist.get_backend(group)
+    if backend not in _HAS_REDUCE_SCATTER:
+        empty = torch.empty(0)
+        try:
+            dist.reduce_scatter(empty, [empty] * get_world_size(group), group=group)
+            _HAS_REDUCE_SCATTER[backend] = True
+        except RuntimeError:
+            _HAS_REDUCE_SCATTER[backend] = False
+    return _HAS_REDUCE_SCATTER[backend]
 
 
 def _gloo_reduce_scatter(output, input_list, op, group, async_op):

@@ -1,7 +1,7 @@
 """Benchmark: our collectives from send/recv against the backend's own, over a size sweep.
 
 Measured on every size: all-reduce (our ring vs the backend's), all-gather (ring vs
-all_gather_into_tensor), reduce-scatter (ring vs the backend's where it has one) and
+all_gather_into_tensor), reduce-scatter (ring vs the backend's) and
 broadcast (binomial tree vs the backend's). For each we report the median time, algorithm
 bandwidth and bus bandwidth (nccl-tests definitions), fit alpha and beta of the ring model
 to the sweep, and the headline ratio: our ring all-reduce / the backend's at 16 MB.
@@ -44,7 +44,6 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
     from . import alternate, median
 
     n = comm.get_world_size()
-    has_reduce_scatter = dist.get_backend() != "gloo"
     rows = []
     for size in sizes:
         x = torch.rand(size // 4, generator=torch.Generator().manual_seed(comm.get_rank()))
@@ -55,13 +54,12 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
             "all_reduce": {"ours": lambda: algorithms.ring_all_reduce(x.clone()),
                            "reference": lambda: dist.all_reduce(x.clone())},
             "all_gather": {"ours": lambda: algorithms.ring_all_gather(gathered, mine),
-                           "reference": lambda: dist.all_gather_into_tensor(gathered, mine)},
+                           "reference": lambda: comm.all_gather_into_tensor(gathered, mine)},
+            "reduce_scatter": {"ours": lambda: algorithms.ring_reduce_scatter(x[: n * shard.numel()]),
+                               "reference": lambda: dist.reduce_scatter(shard, list(x[: n * shard.numel()].chunk(n)))},
             "broadcast": {"ours": lambda: algorithms.tree_broadcast(x.clone(), 0),
                           "reference": lambda: dist.broadcast(x.clone(), 0)},
         }
-        if has_reduce_scatter:
-            cases["reduce_scatter"] = {"ours": lambda: algorithms.ring_reduce_scatter(x[: n * shard.numel()]),
-                                       "reference": lambda: dist.reduce_scatter_tensor(shard, x[: n * shard.numel()])}
         for op, impls in cases.items():
             for fn in impls.values():
                 fn()  # warm-up: connections, allocations

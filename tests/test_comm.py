@@ -1,0 +1,79 @@
+"""comm.py: every wrapper gives torch's result and counts calls, payload and wire bytes as DESIGN.md 4 says."""
+import textwrap
+
+import pytest
+
+from labsupport import comm
+from labsupport.launch import launch
+
+pytestmark = pytest.mark.multiprocess
+
+RANK_SCRIPT = textwrap.dedent("""
+    import torch
+    from labsupport import comm, init, report
+    failures = []
+    def check(name, ok):
+        if not ok:
+            failures.append(name)
+    with init() as rt:
+        r, n = rt.rank, rt.world_size
+        x = torch.arange(6, dtype=torch.float32) + r            # 24 bytes
+        t = x.clone(); comm.all_reduce(t)
+        check("all_reduce sum", torch.equal(t, n * torch.arange(6.) + sum(range(n))))
+        t = x.clone(); comm.all_reduce(t, "avg")
+        check("all_reduce avg", torch.allclose(t, torch.arange(6.) + (n - 1) / 2))
+        t = x.clone(); comm.all_reduce(t, "max"); check("all_reduce max", torch.equal(t, torch.arange(6.) + n - 1))
+        t = x.clone(); comm.broadcast(t, src=1); check("broadcast", torch.equal(t, torch.arange(6.) + 1))
+        t = x.clone(); comm.reduce(t, dst=0)
+        check("reduce", r != 0 or torch.equal(t, n * torch.arange(6.) + sum(range(n))))
+        out = [torch.empty(6) for _ in range(n)]; comm.all_gather(out, x)
+        check("all_gather", all(torch.equal(o, torch.arange(6.) + k) for k, o in enumerate(out)))
+        flat = torch.empty(6 * n); comm.all_gather_into_tensor(flat, x)
+        check("all_gather_into_tensor", torch.equal(flat, torch.cat(out)))
+        shard = torch.empty(2); comm.reduce_scatter_tensor(shard, torch.arange(2. * n))
+        check("reduce_scatter", torch.equal(shard, n * torch.arange(2. * r, 2. * r + 2)))
+        got = torch.empty(2)
+        comm.scatter(got, [torch.full((2,), float(k)) for k in range(n)] if r == 0 else None, src=0)
+        check("scatter", torch.equal(got, torch.full((2,), float(r))))
+        gl = [torch.empty(6) for _ in range(n)] if r == 0 else None; comm.gather(x, gl, dst=0)
+        check("gather", r != 0 or all(torch.equal(g, torch.arange(6.) + k) for k, g in enumerate(gl)))
+        outs = [torch.empty(1) for _ in range(n)]; comm.all_to_all(outs, [torch.tensor([10. * r + k]) for k in range(n)])
+        check("all_to_all", all(o.item() == 10 * k + r for k, o in enumerate(outs)))
+        buf = torch.empty(6)
+        if r == 0:
+            comm.send(x, 1)
+        elif r == 1:
+            comm.recv(buf, 0); check("send/recv", torch.equal(buf, torch.arange(6.)))
+        with comm.timing() as events:
+            work = comm.all_reduce(x.clone(), async_op=True); work.wait()
+        check("timed async", events and events[0]["op"] == "all_reduce" and events[0]["end"] >= events[0]["start"])
+        comm.barrier()
+        report(failures=failures, counts=comm.counts())
+""")
+
+
+def test_every_wrapper_matches_torch_and_is_counted(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    n = 3
+    res = launch(str(script), nproc=n, run_dir=tmp_path / "run", timeout=120)
+    for rank in range(n):
+        assert res.report(rank)["failures"] == [], rank
+    c0, c1 = res.report(0)["counts"], res.report(1)["counts"]
+    # four all-reduces of 24 bytes: payload 96, wire 2(n-1)/n x 96 = 128
+    assert c0["all_reduce"] == {"calls": 4, "payload_bytes": 96, "wire_bytes": 128}
+    # all_gather: the full gathered buffer (n x 24 bytes) is the payload, (n-1)/n of it on the wire
+    assert c0["all_gather"] == {"calls": 2, "payload_bytes": 2 * 72, "wire_bytes": 2 * 48}
+    assert c0["reduce_scatter"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 16}
+    assert c0["broadcast"]["wire_bytes"] == 24 and c0["send"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 24}
+    assert c1["recv"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 0} and "send" not in c1
+
+
+def test_unsupported_reduction_is_a_clear_error():
+    with pytest.raises(ValueError, match="unsupported reduction 'median'"):
+        comm.all_reduce(None, "median")
+
+
+def test_wire_factors_are_the_nccl_tests_bus_factors():
+    assert comm.WIRE_FACTOR["all_reduce"](4) == 1.5 and comm.WIRE_FACTOR["all_gather"](4) == 0.75
+    assert comm.WIRE_FACTOR["broadcast"](4) == 1.0
