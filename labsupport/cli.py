@@ -69,7 +69,7 @@ def cmd_launch(args) -> int:
     script = None if args.module else args.target[0]
     rest = args.target if args.module else args.target[1:]
     res = launch(script, *rest, module=args.module, nproc=args.nproc, timeout=args.timeout,
-                 run_dir=args.run_dir, ranks=args.ranks, device=args.device,
+                 run_dir=args.run_dir, ranks=args.ranks, device=args.device, check_collectives=args.check_collectives,
                  out=sys.stderr if args.json else sys.stdout, check=False)
     payload = {"ok": res.ok, "exit_codes": res.exit_codes, "duration_s": res.duration_s,
                "run_dir": str(res.run_dir), "reports": res.reports}
@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--run-dir", default=None)
     la.add_argument("--ranks", default="all", help="whose output to show: all, or e.g. 0")
     la.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    la.add_argument("--check-collectives", action="store_true",
+                    help="compare op, shapes and dtypes of every collective across ranks (slower)")
     la.add_argument("-m", dest="module", default=None, help="run a module instead of a script")
     la.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or, after -m MODULE, ARGS")
 

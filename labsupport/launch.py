@@ -223,11 +223,14 @@ class RunResult:
 
 def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
            run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
-           env: dict | None = None, check: bool = True, out=None) -> RunResult:
+           env: dict | None = None, check: bool = True, check_collectives: bool = False,
+           out=None) -> RunResult:
     """Run `script` (or `module=`, or "-m", MODULE) on `nproc` ranks under torchrun and wait for it.
 
     Output of the ranks in `ranks` ("all" or e.g. "0") is written to `out` (default
-    sys.stdout) line by line as it arrives, prefixed with the rank. With `check=True` a
+    sys.stdout) line by line as it arrives, prefixed with the rank. `check_collectives=True`
+    makes torch compare every collective's op, shapes and dtypes across ranks first
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL), turning a silent mismatch into a named error. With `check=True` a
     failing rank raises RankFailed naming it, a run past `timeout` seconds raises
     LaunchTimeout naming the ranks still running and where; either way no process is left.
     """
@@ -256,6 +259,8 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
                  "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     if device == "cpu":
         child_env["LABSUPPORT_DEVICE"] = "cpu"
+    if check_collectives:
+        child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
 
     start = time.monotonic()
@@ -471,6 +476,7 @@ def _magic_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--name", default="cell")
     p.add_argument("--out", default="last_run", help="variable that receives the RunResult")
+    p.add_argument("--check-collectives", action="store_true", help="compare shapes/dtypes of every collective")
     return p
 
 
@@ -484,7 +490,7 @@ def torchrun_magic(line: str, cell: str, user_ns: dict | None = None) -> None:
     script = run_dir / "cell.py"
     script.write_text(cell)
     result = launch(str(script), nproc=opts.nproc, timeout=opts.timeout, run_dir=run_dir,
-                    ranks=opts.ranks, device=opts.device, name=opts.name)
+                    ranks=opts.ranks, device=opts.device, name=opts.name, check_collectives=opts.check_collectives)
     if user_ns is not None:
         user_ns[opts.out] = result
 

@@ -89,6 +89,19 @@ def test_hang_times_out_naming_waiting_ranks(tmp_path):
     assert processes_of(tmp_path / "run") == []
 
 
+def test_mismatched_collectives_are_named_when_checked(tmp_path):
+    body = """
+        import torch
+        from labsupport import comm, init
+        with init() as rt:
+            comm.all_reduce(torch.ones(3 + rt.rank))   # shapes differ across ranks
+    """
+    with pytest.raises(RankFailed, match="mismatch between collectives"):
+        launch(script(tmp_path, body), nproc=2, timeout=60, check_collectives=True,
+               run_dir=tmp_path / "run", out=io.StringIO())
+    assert processes_of(tmp_path / "run") == []
+
+
 def test_interrupt_stops_every_process(tmp_path):
     job = script(tmp_path, """
         import time
@@ -166,7 +179,7 @@ def test_cli_launch_exit_codes_and_one_line_errors(tmp_path):
 
 def test_cell_magic_runs_the_cell_and_stores_the_result(tmp_path, capsys):
     ns = {}
-    torchrun_magic("--nproc 2 --ranks 0 --out res", OK, ns)
+    torchrun_magic("--nproc 2 --ranks 0 --out res", textwrap.dedent(OK), ns)
     assert ns["res"].ok and ns["res"].report(0)["sum"] == 3.0
     assert "[rank 0] sum=3.0" in capsys.readouterr().out
     with pytest.raises(LaunchError, match="bad %%torchrun options"):
