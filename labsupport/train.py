@@ -10,6 +10,7 @@ whatever the world size, so every strategy can be compared with `single` step by
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--sample-chars", type=int, default=200, help="characters generated at the end (0: none)")
     p.add_argument("--log-every", type=int, default=0, help="progress line every K steps (0: ten lines per run)")
+    p.add_argument("--ddp-mode", choices=["naive", "flat", "bucketed"], default="bucketed",
+                   help="ddp: how gradients are all-reduced")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -62,6 +66,8 @@ def validate(args, world_size: int) -> None:
     if cfg.vocab is not None:
         raise ValueError(f"preset {args.model!r} is an analysis shape ({cfg.n_layers} layers, hidden {cfg.hidden}); "
                          f"train one of the CPU presets: nano, micro, mini")
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb:g}")
     if args.strategy == "single" and world_size != 1:
         raise ValueError(f"strategy 'single' runs on one rank; use --nproc 1 (got {world_size})")
     for name in ("steps", "global_batch"):
@@ -106,6 +112,48 @@ def evaluate(model, data, cfg, args, device) -> float:
         losses.append(model(x.to(device), y.to(device)).item())
     model.train()
     return sum(losses) / len(losses)
+
+
+def train_step(model, strategy, optimizer, batches, grad_clip, autocast, device, trace=None):
+    """One optimizer step over this rank's micro-batches; returns (mean loss, measured stats).
+
+    Gradients of all micro-batches but the last accumulate locally (`no_sync`); the strategy
+    makes them global in `finish_backward`. With `trace` (a list), compute phases are
+    appended as timeline events beside comm's.
+    """
+    def phase(name, t0):
+        if trace is not None:
+            trace.append({"op": name, "start": t0, "end": comm.now()})
+
+    loss_sum, activations = 0.0, 0
+    for i, (xb, yb) in enumerate(batches):
+        meter = ActivationMeter(model)
+        with strategy.no_sync() if i < len(batches) - 1 else nullcontext():
+            t0 = comm.now()
+            with meter.measure(), autocast:
+                loss = model(xb.to(device), yb.to(device))
+            phase("forward", t0)
+            t0 = comm.now()
+            strategy.backward(loss / len(batches))
+            phase("backward", t0)
+        loss_sum += loss.item()
+        activations = max(activations, meter.bytes)
+    t0 = comm.now()
+    strategy.finish_backward(model)
+    phase("finish_backward", t0)
+    grad_norm = strategy.clip_grad_norm_(model, grad_clip)
+    grads = grad_bytes(model)
+    t0 = comm.now()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    phase("optimizer", t0)
+    return loss_sum / len(batches), {"activations": activations, "grads": grads, "grad_norm": grad_norm}
+
+
+def write_trace(path, rank, step, events) -> None:
+    """The recorded step as JSON: compute phases and every communication, in seconds."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "step": step, "events": events}, f)
 
 
 def train(args, rt) -> dict:
@@ -163,22 +211,18 @@ def train(args, rt) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = sampler.local_batch(step, dp_rank, dp_size)
-        loss_sum = 0.0
-        for i, (xb, yb) in enumerate(micro_batches(x, y, micro)):
-            meter = ActivationMeter(model)
-            with (strategy.no_sync() if i < accum - 1 else nullcontext()), meter.measure(), autocast:
-                loss = model(xb.to(rt.device), yb.to(rt.device))
-            (loss / accum).backward()
-            loss_sum += loss.item()
-            memory["activations"] = max(memory["activations"], meter.bytes)
-        strategy.finish_backward(model)
-        grad_norm = strategy.clip_grad_norm_(model, args.grad_clip)
-        memory["grads"] = max(memory["grads"], grad_bytes(model))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        last = step == args.steps - 1
+        with comm.timing(last) as events:  # the last step is recorded as a timeline
+            loss, stats = train_step(model, strategy, optimizer, micro_batches(x, y, micro), args.grad_clip,
+                                     autocast, rt.device, trace=events if last else None)
+        if last:
+            write_trace(os.path.join(run_dir, f"trace-rank{rt.rank}.json"), rt.rank, step, events)
+        memory["activations"] = max(memory["activations"], stats["activations"])
+        memory["grads"] = max(memory["grads"], stats["grads"])
+        grad_norm = stats["grad_norm"]
         dt = time.perf_counter() - t0
         step_times.append(dt)
-        local_losses.append(loss_sum / accum)
+        local_losses.append(loss)
         memory["params"] = max(memory["params"], param_bytes(model))
         memory["optimizer"] = max(memory["optimizer"], optimizer_bytes(optimizer))
         memory["peak"] = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda"
@@ -189,7 +233,7 @@ def train(args, rt) -> dict:
                   "memory": dict(memory), "comm": last_comm}
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            val_losses.append([done, evaluate(model, corpus.val, cfg, args, rt.device)])
+            val_losses.append([done, evaluate(strategy.module(model), corpus.val, cfg, args, rt.device)])
             record["val_loss"] = val_losses[-1][1]
         metrics_log.write(record)
         if done % log_every == 0 or done == args.steps:
@@ -217,13 +261,14 @@ def train(args, rt) -> dict:
               "first_step": 0, "steps": args.steps, "resumed_from": start_step,
               "step_s_median": sorted(timed)[len(timed) // 2] if timed else None}
     if args.eval_batches:
-        val_losses.append([args.steps, evaluate(model, corpus.val, cfg, args, rt.device)])
+        val_losses.append([args.steps, evaluate(strategy.module(model), corpus.val, cfg, args, rt.device)])
     result["val_losses"] = val_losses
     if rt.rank == 0 and args.sample_chars:
         gen = torch.Generator(device=rt.device).manual_seed(args.seed)
         prompt = corpus.val[:1].unsqueeze(0).to(rt.device)  # one real character of the text
-        model.eval()
-        result["sample"] = corpus.tokenizer.decode(model.generate(prompt, args.sample_chars, 0.8, gen)[0, 1:])
+        net = strategy.module(model)
+        net.eval()
+        result["sample"] = corpus.tokenizer.decode(net.generate(prompt, args.sample_chars, 0.8, gen)[0, 1:])
     return result
 
 

@@ -9,7 +9,11 @@ import importlib
 
 STRATEGIES = {
     "single": "labsupport.parallel.strategy:Strategy",
+    "ddp": "labsupport.parallel.ddp:DataParallel",
+    "torch-ddp": "labsupport.parallel.torch_ddp:TorchDDP",
+    "accelerate-ddp": "labsupport.parallel.accelerate_ddp:AccelerateDDP",
 }
+DATA_PARALLEL = ("ddp", "torch-ddp", "accelerate-ddp")
 
 
 def strategy_names() -> list[str]:

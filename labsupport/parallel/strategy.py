@@ -30,6 +30,13 @@ class Strategy:
         """(index, count) of this rank among those that split the global batch."""
         return 0, 1
 
+    def module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The TinyGPT inside whatever wrapper the strategy put around it (for eval and sampling)."""
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def no_sync(self):
         """Context for micro-batches before the last one: accumulate locally, communicate nothing."""
         return nullcontext()
