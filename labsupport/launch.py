@@ -340,6 +340,9 @@ def _failure_message(result: RunResult) -> str:
     """
     errors = [json.loads(p.read_text()) for p in result.run_dir.glob("error-rank*.json")]
     errors.sort(key=lambda e: (bool(_PEER_LOST.search(e["error"])), e["time"]))
+    crashed = _crashed_ranks(result.run_dir, result.nproc)
+    if crashed and (not errors or _PEER_LOST.search(errors[0]["error"])):
+        return "; ".join(crashed) + f" (logs in {result.run_dir})"
     if errors:
         err = errors[0]
         tail = "\n".join(err["traceback"].rstrip().splitlines()[-8:])
@@ -350,6 +353,18 @@ def _failure_message(result: RunResult) -> str:
                 f"torchrun exited {result.returncode}; logs in {result.run_dir}")
     bad = {r: c for r, c in result.exit_codes.items() if c}
     return f"rank(s) exited non-zero {bad}; logs in {result.run_dir}"
+
+
+def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
+    """Ranks that died in C++ (abort, segfault): faulthandler wrote 'Fatal Python error' and the stack."""
+    out = []
+    for rank in range(nproc):
+        stack = run_dir / f"stack-rank{rank}.txt"
+        dump = stack.read_text(errors="replace") if stack.exists() else ""
+        if "Fatal Python error" in dump:
+            what = dump.split("Fatal Python error:", 1)[1].splitlines()[0].strip()
+            out.append(f"rank {rank} crashed ({what}) in {_innermost_frame(dump)}")
+    return out
 
 
 def _where_ranks_wait(run_dir: Path, nproc: int) -> str:
@@ -437,7 +452,8 @@ def _rank_main(argv: list[str]) -> int:
     _die_with_parent(signal.SIGKILL)
     (run_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
     stack_file = open(run_dir / f"stack-rank{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)  # "where are you waiting?"
+    faulthandler.enable(file=stack_file)  # and where a crash in C++ (abort, segfault) happened
     log = open(run_dir / f"rank{rank}.log", "a", encoding="utf-8")
     out = _RankStream(rank, sys.__stdout__, log)
     sys.stdout = sys.stderr = out

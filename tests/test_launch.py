@@ -71,6 +71,21 @@ def test_a_raising_rank_stops_all_and_is_named(tmp_path):
     assert processes_of(tmp_path / "run") == []
 
 
+def test_a_rank_dying_in_native_code_is_named_with_its_frame(tmp_path):
+    body = """
+        import os, torch
+        from labsupport import comm, init
+        with init() as rt:
+            if rt.rank == 1:
+                os.abort()   # like a segfault or abort in C++: no Python exception
+            comm.all_reduce(torch.ones(1))
+    """
+    with pytest.raises(RankFailed) as err:
+        launch(script(tmp_path, body), nproc=2, timeout=60, run_dir=tmp_path / "run", out=io.StringIO())
+    assert str(err.value).startswith("rank 1 crashed (Aborted) in <module> called at job.py:6")
+    assert processes_of(tmp_path / "run") == []
+
+
 def test_hang_times_out_naming_waiting_ranks(tmp_path):
     body = """
         import time, torch

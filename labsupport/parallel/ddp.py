@@ -13,9 +13,10 @@ one device had seen the whole batch.
   asynchronously at once, so communication overlaps the rest of backward.
 
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
-`param.grad`), not the gradient. `naive` and `flat` assume every rank has gradients for the
-same parameters (as torch DDP does without find_unused_parameters); `bucketed` also handles
-parameters that get no gradient on some ranks.
+`param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
+same parameters; with `find_unused_parameters` (bucketed mode) a parameter may also get a
+gradient on some ranks only (a data-dependent branch), at the price of a graph walk and one
+small all-reduce per step.
 """
 from __future__ import annotations
 
@@ -27,6 +28,38 @@ from .. import comm
 from .strategy import Strategy
 
 MODES = ("naive", "flat", "bucketed")
+
+
+def parameters_in_graph(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf parameters that backward from `loss` will reach (its AccumulateGrad nodes)."""
+    seen, todo, reached = set(), [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            reached.add(id(node.variable))
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return reached
+
+
+def check_replicas(model) -> None:
+    """Raise if the ranks' parameters differ (e.g. seeded differently and never broadcast).
+
+    Compares a fingerprint per parameter (sum and sum of squares, in float64): the largest and
+    the smallest value over the ranks must agree.
+    """
+    names = [name for name, _ in model.named_parameters()]
+    prints = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                          for p in model.parameters()])
+    high, low = prints.clone(), prints.clone()
+    comm.all_reduce(high, "max")
+    comm.all_reduce(low, "min")
+    differ = (high != low).any(dim=1).nonzero()
+    if len(differ):
+        raise ValueError(f"model parameters differ between ranks ({len(differ)} tensors, first: "
+                         f"{names[differ[0].item()]}); broadcast rank 0's values or seed every rank alike")
 
 
 class Bucket:
@@ -43,6 +76,9 @@ class Bucket:
         for p in self.params:
             yield p, self.buffer[offset:offset + p.numel()]
             offset += p.numel()
+
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
 
     def launch(self) -> None:
         """Copy the gradients in and start averaging them over the ranks, without waiting."""
@@ -74,15 +110,20 @@ class DataParallel(Strategy):
             raise ValueError("--bucket-mb must be > 0")
         self.sync = True
         self.buckets: list[Bucket] = []
+        self.broadcast_init = getattr(args, "broadcast_init", True)
+        self.find_unused_parameters = getattr(args, "find_unused_parameters", False)
+        self.next_bucket = 0
 
     def data_rank(self):
         return self.rt.rank, self.rt.world_size
 
     def setup(self, model):
         model = model.to(self.rt.device)
-        # Replicas must start identical: rank 0's initial values win.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            comm.broadcast(tensor.data, src=0)
+        if self.broadcast_init:  # replicas must start identical: rank 0's initial values win
+            for tensor in [*model.parameters(), *model.buffers()]:
+                comm.broadcast(tensor.data, src=0)
+        else:
+            check_replicas(model)
         if self.mode == "bucketed":
             self._make_buckets(model)
         return model
@@ -106,12 +147,28 @@ class DataParallel(Strategy):
 
     def _hook(self, bucket: Bucket, key: int):
         def on_grad_ready(param):  # the parameter, whose .grad is now complete
-            if not self.sync:
-                return
-            bucket.ready.add(key)
-            if len(bucket.ready) == len(bucket.params):
-                bucket.launch()
+            if self.sync:
+                self._mark_ready(bucket, key)
         return on_grad_ready
+
+    def _mark_ready(self, bucket: Bucket, key: int):
+        """Launch full buckets strictly in bucket order: every rank then issues the same
+        all-reduces in the same sequence, even if its gradients became ready in another order."""
+        bucket.ready.add(key)
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].full():
+            self.buckets[self.next_bucket].launch()
+            self.next_bucket += 1
+
+    def backward(self, loss):
+        if self.sync and self.find_unused_parameters and self.mode == "bucketed":
+            # Parameters this rank's graph never reaches get no hook call: mark them ready now
+            # (they travel as zeros), so no rank waits for a bucket that cannot fill.
+            reached = parameters_in_graph(loss)
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if id(p) not in reached:
+                        self._mark_ready(bucket, id(p))
+        loss.backward()
 
     @contextmanager
     def no_sync(self):
@@ -136,24 +193,29 @@ class DataParallel(Strategy):
                 g.view(-1).copy_(flat[offset:offset + g.numel()])
                 offset += g.numel()
         else:
-            for bucket in self.buckets:
-                if bucket.work is None:
-                    self._launch_incomplete(bucket)
+            if self.find_unused_parameters:
+                self._agree_on_used(self._trainable(model))
+            for bucket in self.buckets[self.next_bucket:]:  # held back behind an incomplete one
+                bucket.launch() if bucket.full() else self._launch_incomplete(bucket)
             for bucket in self.buckets:
                 bucket.finish()
+            self.next_bucket = 0
 
-    def _launch_incomplete(self, bucket: Bucket):
-        """A bucket whose hooks did not all fire: some parameter got no gradient on this rank.
-
-        Whether a parameter was used can differ between ranks (data-dependent branches), so
-        the ranks first agree on which parameters got a gradient anywhere; those are averaged
-        (as zero where missing), and the ones used nowhere keep no gradient, as on one device.
-        """
-        used = torch.tensor([float(p.grad is not None) for p in bucket.params])
+    def _agree_on_used(self, params):
+        """Which parameters got a gradient on any rank: those are averaged (zero where missing),
+        the ones used nowhere keep no gradient, exactly as on one device."""
+        used = torch.tensor([float(p.grad is not None) for p in params])
         comm.all_reduce(used, "max")
-        if not used.any():
-            return
-        for p, u in zip(bucket.params, used.tolist()):
+        for p, u in zip(params, used.tolist()):
             if u and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        bucket.launch()
+
+    def _launch_incomplete(self, bucket: Bucket):
+        """A bucket whose hooks did not all fire: a parameter got no gradient in this step.
+
+        Without find_unused_parameters that must be so on every rank alike (e.g. a layer
+        skipped on some steps); the ranks still check which parameters anyone used.
+        """
+        self._agree_on_used(bucket.params)
+        if any(p.grad is not None for p in bucket.params):
+            bucket.launch()

@@ -1,0 +1,16 @@
+"""Interactive figures for the notebooks: thin front-ends over `labsupport.estimate` and recorded runs.
+
+A widget holds no formula of its own. Every number it shows is computed by `estimate/` (the same
+functions the CLI and the notebooks call) or read from a run directory that a launch wrote, so a
+slider can never disagree with a table printed two cells above it.
+
+Each widget comes with a function that draws the same picture as a static matplotlib Figure,
+for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF export.
+
+  memory        memory breakdown per device: params, grads, optimizer states, activations
+                (`MemoryWidget`, `memory_figure`, `measured_vs_predicted_figure`)
+
+Import the submodule you need, e.g. `from labsupport.widgets.memory import MemoryWidget`;
+nothing is imported here, so loading one widget never pulls in the others' dependencies.
+Nothing under `widgets/` imports `torch.distributed`.
+"""
