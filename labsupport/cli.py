@@ -134,11 +134,19 @@ def cmd_memory(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run
-    options = {"sizes": args.sizes, "repeats": args.repeats} if args.name == "collectives" else {}
+    if args.repeats is None:
+        args.repeats = 5 if args.name == "collectives" else 10
+    if args.name == "collectives":
+        options = {"sizes": args.sizes, "repeats": args.repeats}
+    else:
+        options = {"model": args.model, "global_batch": args.global_batch, "bucket_mb": args.bucket_mb,
+                   "repeats": args.repeats, "bucket_sweep": args.bucket_sweep}
     summary = run(args.name, nproc=args.nproc, timeout=args.timeout, out=sys.stderr, **options)
-    lines = [f"{'name':<22}{'impl':<11}{'bytes':>10}{'median s':>12}{'busbw GB/s':>12}"]
+    columns = [k for k in ("name", "impl", "bytes", "bucket_mb", "seconds", "busbw_GBps", "ratio")
+               if k in summary["rows"][0]]
+    lines = ["".join(f"{c:>14}" for c in columns)]
     for r in summary["rows"]:
-        lines.append(f"{r['name']:<22}{r['impl']:<11}{r['bytes']:>10}{r['seconds']:>12.6f}{r.get('busbw_GBps', 0):>12.3f}")
+        lines.append("".join(f"{r[c]:>14.6g}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in columns))
     for key, fit in summary.get("fits", {}).items():
         lines.append(f"fit {key:<28} alpha {fit['alpha_s'] * 1e6:8.1f} us   1/beta {1 / fit['beta_s_per_byte'] / 1e9 if fit['beta_s_per_byte'] else float('inf'):8.2f} GB/s")
     lines.append(f"ratio ours/reference ({summary['headline']}): {summary['ratio']:.2f}x time")
@@ -179,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--nproc", type=int, default=2)
     b.add_argument("--timeout", type=float, default=600)
     b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
+    b.add_argument("--model", default="micro", help="ddp: the CPU preset trained")
+    b.add_argument("--global-batch", type=int, default=16, help="ddp: sequences per step")
+    b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of bucketed and torch DDP")
+    b.add_argument("--bucket-sweep", default=None, help="ddp: extra bucket sizes for ours, e.g. 0.25,1,4")
 
     m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")
     m.add_argument("--model", default=None)

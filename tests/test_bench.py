@@ -35,3 +35,21 @@ def test_bad_bench_options_fail_before_launch():
     assert res.returncode == 2 and "needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("bench", "collectives", "--sizes", "4097")
     assert res.returncode == 2 and "multiples of 4" in res.stderr
+
+
+@pytest.mark.multiprocess
+def test_bench_ddp_compares_every_mode_with_torch_ddp():
+    res = run_cli("bench", "ddp", "--nproc", "2", "--model", "nano", "--global-batch", "8", "--repeats", "2",
+                  "--bucket-sweep", "0.05", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    names = [r["name"] for r in out["rows"]]
+    assert names == ["naive", "flat", "bucketed", "torch-ddp", "bucketed@0.05MB"]
+    bucketed = next(r for r in out["rows"] if r["name"] == "bucketed")
+    assert out["ratio"] == bucketed["ratio"] > 0
+    assert next(r for r in out["rows"] if r["name"] == "torch-ddp")["ratio"] == 1.0
+
+
+def test_bench_ddp_refuses_an_analysis_model():
+    res = run_cli("bench", "ddp", "--model", "175b")
+    assert res.returncode == 2 and "analysis shape" in res.stderr

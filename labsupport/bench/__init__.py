@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-BENCHMARKS = ("collectives",)
+BENCHMARKS = ("collectives", "ddp")
 
 
 def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:
