@@ -146,6 +146,8 @@ def _call(op, payload, group, fn, async_op=False, after=None, **meta):
         STATS.events.append(event)
     work = fn()
     if async_op:
+        if event is not None:  # the end is when the data has arrived, not when someone waits for it
+            work.get_future().add_done_callback(lambda _: event.setdefault("end", now()))
         return _Work(work, event, after)
     if after is not None:
         after()
