@@ -15,7 +15,9 @@ are listed in rank order. The ring adds them in a different order on every chunk
 ring all-reduce of floating-point numbers can differ in the last bits from a tree all-reduce.
 
 Figures are built with `matplotlib.figure.Figure`, not pyplot, so redrawing the widget never
-piles up open figures, and a figure returned by a notebook cell is shown once.
+piles up open figures, and a figure returned by a notebook cell is shown once. They carry their
+own PNG representation, so they show in a notebook even when nothing imported pyplot (which is
+what registers matplotlib's display hook with IPython).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ COPY_COLOR = "#1f5f99"  # a transfer that overwrites (stores into) the receiver'
 RANK_COLORS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d",
                "#9edae5", "#c7c7c7")  # pastel tab20: the colour of data that came from one rank only
 FULL_SUM_COLOR = "#3c7d5a"  # a chunk summed over every rank
+DPI = 100  # of the widget's picture: 500 to 800 pixels wide for 2 to 8 ranks
 PARTIAL_SUM_COLORS = ("#e8e1f2", "#d5c8e8", "#c1aedd", "#ad95d2", "#9a7dc6", "#8866ba", "#7652ad")
 
 
@@ -123,7 +126,7 @@ def walkthrough(collective: str, n: int, root: int = 0) -> Walkthrough:
 # ---------------------------------------------------------------- drawing
 
 def _box_text(value, n: int) -> str:
-    """What fits in a box: the sum written out over lines of a few terms, or 'Σ3' for chunk 3 summed over all n > 4 ranks."""
+    """What fits in a box: the sum over lines of a few terms; 'Σ3' for chunk 3 summed over all of n > 4 ranks."""
     parts = terms(value)
     if not parts:
         return ""
@@ -240,7 +243,8 @@ def draw_single(fig: Figure, walk: Walkthrough, k: int) -> None:
     fig.subplots_adjust(left=0.9 / width, right=1 - 0.08 / width, top=1 - top / height, bottom=bottom / height)
 
 
-def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | None = None, root: int = 0) -> Figure:
+def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | None = None,
+                       root: int = 0) -> NotebookFigure:
     """A static Figure of `collective` on n ranks: every state as small multiples, or only state `step`.
 
     `step=None` draws one panel per state (the start and each step, so len(schedule) + 1 axes);
@@ -248,7 +252,7 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
     ValueError for a collective, size or root the schedule module does not support.
     """
     walk = walkthrough(collective, n, root)
-    fig = Figure()
+    fig = NotebookFigure()
     if step is not None:
         if not 0 <= step < len(walk):
             raise ValueError(f"step must be from 0 to {len(walk) - 1} for {collective} on {n} ranks, got {step}")
@@ -268,11 +272,18 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
     return fig
 
 
-def figure_png(fig: Figure, dpi: int = 90) -> bytes:
-    """The figure as PNG bytes, for an ipywidgets.Image."""
+def figure_png(fig: Figure, dpi: int = DPI) -> bytes:
+    """The figure as PNG bytes, for an ipywidgets.Image or a notebook output."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+class NotebookFigure(Figure):
+    """A Figure that shows itself as a PNG when a notebook cell returns it, pyplot or not."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
 
 
 # ---------------------------------------------------------------- the widget
@@ -323,7 +334,7 @@ class CollectivesWidget:
         self.reset_button = W.Button(description="reset", icon="fast-backward", tooltip="back to the start",
                                      layout=W.Layout(width="90px"))
         self.step_label = W.Label()
-        self.image = W.Image(format="png", layout=W.Layout(max_width="760px"))
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%"))
         self.transfers = W.HTML()
         self.readout = W.HTML()
         self.error_box = W.HTML(layout=W.Layout(display="none"))
@@ -471,18 +482,21 @@ class CollectivesWidget:
             draw_single(self._fig, self.walk, k)
             self._png[k] = figure_png(self._fig)
         self.image.value = self._png[k]
+        self.image.layout.width = f"{round(self._fig.get_figwidth() * DPI)}px"  # natural size, not stretched
         self.transfers.value = self._transfers_html(k)
         self.readout.value = ('<pre style="margin:0;font-size:12px;line-height:1.35">'
                               + html.escape(self.state_text()) + "</pre>")
 
     def _transfers_html(self, k: int, limit: int = 8) -> str:
         if k == 0:
-            return "<i>" + html.escape(describe_step(self.walk.steps, 0)) + " Press step.</i>"
+            return ('<div style="line-height:1.35"><i>' + html.escape(describe_step(self.walk.steps, 0))
+                    + " Press step.</i></div>")
         step = self.walk.steps[k - 1]
         lines = [html.escape(describe_transfer(t)) for t in step[:limit]]
         if len(step) > limit:
             lines.append(f"… and {len(step) - limit} more sends in this step")
-        return f"<b>Step {k}</b>, all at the same time:<br>" + "<br>".join(lines)
+        return ('<div style="line-height:1.35">' + f"<b>Step {k}</b>, all at the same time:<br>"
+                + "<br>".join(lines) + "</div>")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

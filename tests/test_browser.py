@@ -1,0 +1,64 @@
+"""Widgets in a real JupyterLab: open a notebook in headless Chromium, run it, click, read what it shows.
+
+Skipped where Chromium is missing, except in CI (CI set), where that is a failure.
+To cover a stored notebook, add a test like the one below that calls
+`run_notebook_in_browser(page, lab, "00_setup_and_collectives.ipynb")` and then drives the
+widget it displays; the `lab` fixture serves a copy of notebooks/.
+"""
+import time
+
+import pytest
+
+from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
+                     tagged_processes, wait_for_text, write_notebook)
+from labsupport.estimate.collective_steps import simulate
+from labsupport.widgets.collectives import format_state, symbolic_initial
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    """One private JupyterLab for this module, serving a temporary copy of notebooks/."""
+    require_chromium()  # skip (or fail in CI) before paying for the server
+    with jupyter_lab() as server:
+        yield server
+    assert not tagged_processes(server.tag), "JupyterLab left processes behind"
+
+
+@pytest.fixture
+def page(lab):
+    with chromium_page() as tab:
+        yield tab
+
+
+def test_collectives_stepper_updates_in_jupyterlab(lab, page, request):
+    """Step through all_reduce on 4 ranks by clicking; the readout follows simulate() exactly."""
+    write_notebook(lab.root / "stepper.ipynb",
+                   "from labsupport.widgets.collectives import CollectivesWidget\n"
+                   "w = CollectivesWidget('all_reduce', 4)\n"
+                   "w.widget")
+    n = 4
+    expected = [format_state(s) for s in simulate("all_reduce", n, initial=symbolic_initial("all_reduce", n))]
+    started = time.monotonic()
+    with artifacts_on_failure(page, request.node.name, lab):
+        run_notebook_in_browser(page, lab, "stepper.ipynb")
+        state = page.locator(".labsupport-collectives-state")
+        label = page.locator(".labsupport-collectives-step")
+        step = page.locator("button.labsupport-step")
+        figure = page.locator(".labsupport-collectives-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        wait_for_text(state, expected[0], timeout_s=30)
+        shown = [expected[0]]
+        for k in range(1, 4):
+            before = figure.get_attribute("src")
+            step.click()
+            wait_for_text(label, f"step {k} of {len(expected) - 1}")
+            shown.append(wait_for_text(state, expected[k]))
+            assert shown[-1] != shown[-2], f"step {k} changed nothing on the page"
+            assert figure.get_attribute("src") != before, f"the picture was not redrawn at step {k}"
+        page.locator("button.labsupport-back").click()
+        wait_for_text(state, expected[2])
+        page.locator("button.labsupport-reset").click()
+        wait_for_text(state, expected[0])
+    assert time.monotonic() - started < 120

@@ -1,0 +1,155 @@
+"""The collectives stepper shows exactly what `collective_steps.simulate` computes, step by step."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from labsupport.estimate.collective_steps import COLLECTIVES, schedule, simulate  # noqa: E402
+from labsupport.widgets.collectives import (CollectivesWidget, collectives_figure, format_state,  # noqa: E402
+                                            format_value, symbolic_initial, walkthrough)
+
+WIDGETS = Path(__file__).resolve().parent.parent / "labsupport" / "widgets"
+
+
+def expected_states(collective, n, root=0):
+    """The readouts the widget must show: simulate() on the widget's symbolic start, formatted."""
+    return [format_state(s) for s in simulate(collective, n, root, initial=symbolic_initial(collective, n, root))]
+
+
+def test_symbolic_start_names_what_initial_state_holds():
+    start = symbolic_initial("scatter", 3, root=1)
+    assert start == [[None] * 3, ["b0", "b1", "b2"], [None] * 3]
+    assert format_value("c1+a1+b1") == "a1+b1+c1"
+
+
+def test_stepping_all_reduce_follows_simulate_and_ends_with_the_full_sum():
+    w = CollectivesWidget("all_reduce", 4)
+    expected = expected_states("all_reduce", 4)
+    assert len(expected) == len(schedule("all_reduce", 4)) + 1 == 7
+    assert w.state_text() == expected[0]
+    assert w.step_text() == "start (6 steps)"
+    seen = [w.state_text()]
+    for k in range(1, len(expected)):
+        w.step()
+        assert w.k == k
+        assert w.state_text() == expected[k]
+        assert w.step_text() == f"step {k} of 6"
+        assert w.readout.value.count("rank ") == 4  # the HTML readout carries the same text
+        seen.append(w.state_text())
+    assert len(set(seen)) == len(seen), "every step changes what some rank holds"
+    full = "  ".join(f"a{c}+b{c}+c{c}+d{c}" for c in range(4))
+    assert w.state_text() == "\n".join(f"rank {r}: {full}" for r in range(4))
+    assert w.step_button.disabled and not w.back_button.disabled
+    w.step()  # at the end, step does nothing
+    assert w.k == 6 and w.state_text() == expected[-1]
+
+
+def test_back_and_reset():
+    w = CollectivesWidget("reduce_scatter", 3)
+    expected = expected_states("reduce_scatter", 3)
+    w.step()
+    w.step()
+    w.back()
+    assert w.k == 1 and w.state_text() == expected[1]
+    w.reset()
+    assert w.k == 0 and w.state_text() == expected[0]
+    assert w.back_button.disabled
+    w.back()  # at the start, back does nothing
+    assert w.k == 0
+    w.goto(99)
+    assert w.k == len(expected) - 1
+
+
+def test_buttons_drive_the_same_steps():
+    w = CollectivesWidget("all_gather", 4)
+    png = w.image.value
+    w.step_button.click()
+    assert w.k == 1 and w.state_text() == expected_states("all_gather", 4)[1]
+    assert w.image.value != png  # the picture was redrawn
+    w.reset_button.click()
+    assert w.k == 0 and w.image.value == png
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_every_collective_plays_to_its_end(collective):
+    w = CollectivesWidget(collective, 5, root=2)
+    expected = expected_states(collective, 5, root=2)
+    w.goto(len(expected) - 1)
+    assert w.error is None
+    assert w.state_text() == expected[-1]
+    assert bytes(w.image.value).startswith(b"\x89PNG")
+
+
+def test_menus_rebuild_and_root_follows_world_size():
+    w = CollectivesWidget("broadcast", 6, root=5)
+    w.step()
+    w.ranks_menu.value = 4  # root 5 does not exist on 4 ranks: back to 0, and back to the start
+    assert w.root_menu.value == 0 and w.k == 0
+    assert w.state_text() == expected_states("broadcast", 4, root=0)[0]
+    w.collective_menu.value = "all_to_all"
+    assert w.root_menu.disabled
+    assert w.state_text() == expected_states("all_to_all", 4)[0]
+
+
+@pytest.mark.parametrize("n", [17, 0])
+def test_unsupported_world_size_shows_the_error_instead_of_raising(n):
+    with pytest.raises(ValueError) as excinfo:
+        schedule("all_reduce", n)
+    w = CollectivesWidget("all_reduce", n)
+    assert w.error == str(excinfo.value)
+    assert str(excinfo.value) in w.error_box.value
+    assert w.error_box.layout.display != "none" and w.image.layout.display == "none"
+    assert w.step_button.disabled and w.state_text() == ""
+    w.step()  # harmless
+    w.select(n=4)  # and a valid choice recovers
+    assert w.error is None and w.error_box.layout.display == "none"
+    assert w.state_text() == expected_states("all_reduce", 4)[0]
+
+
+def test_impossible_root_shows_the_error():
+    w = CollectivesWidget("scatter", 3, root=3)
+    assert w.error and "root" in w.error
+
+
+def test_css_classes_for_browser_tests():
+    w = CollectivesWidget()
+    assert "labsupport-collectives-state" in w.readout._dom_classes
+    assert "labsupport-collectives-step" in w.step_label._dom_classes
+    assert "labsupport-step" in w.step_button._dom_classes
+    assert "labsupport-back" in w.back_button._dom_classes
+    assert "labsupport-reset" in w.reset_button._dom_classes
+    assert "labsupport-play" in w.play._dom_classes
+
+
+def test_static_figure_has_one_panel_per_state():
+    assert len(collectives_figure("all_reduce", 4).axes) == len(schedule("all_reduce", 4)) + 1 == 7
+    assert len(collectives_figure("broadcast", 8).axes) == len(walkthrough("broadcast", 8)) == 4
+    assert len(collectives_figure("all_reduce", 4, step=3).axes) == 1
+    with pytest.raises(ValueError, match="step"):
+        collectives_figure("all_reduce", 4, step=7)
+    with pytest.raises(ValueError):
+        collectives_figure("all_reduce", 17)
+
+
+def test_static_figure_shows_itself_in_a_notebook_without_pyplot():
+    assert collectives_figure("gather", 3, step=1)._repr_png_().startswith(b"\x89PNG")
+
+
+def test_widgets_never_import_torch_distributed():
+    for path in WIDGETS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("torch.distributed") for n in names), f"{path.name}: {names}"
+    probe = ("import sys, labsupport.widgets.collectives; "
+             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
