@@ -108,8 +108,9 @@ def cmd_memory(args) -> int:
     from .model import ModelConfig, get_preset
     if args.model:
         cfg = get_preset(args.model)
-        if cfg.vocab is None:
-            cfg = cfg.with_vocab(args.vocab or 65)
+        if cfg.vocab is None:  # a CPU preset: the vocabulary of the corpus it trains on
+            from .data import CharTokenizer, load_text
+            cfg = cfg.with_vocab(args.vocab or CharTokenizer.from_text(load_text()).vocab_size)
     elif args.params:
         cfg = None
     else:
@@ -123,7 +124,7 @@ def cmd_memory(args) -> int:
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
                           recompute=args.recompute, bytes_override=override, n_params=args.params)
-    gb = lambda b: f"{b / 1e9:,.2f} GB"
+    from .widgets.memory import format_bytes as gb
     human = (f"{est['n_params']:,} parameters; per device: params {gb(est['params'])}, grads {gb(est['grads'])}, "
              f"optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, total {gb(est['total'])}")
     _emit(args, human, est)

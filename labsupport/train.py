@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -160,11 +161,8 @@ def train(args, rt) -> dict:
     """Train on this rank; return what it measured (rank 0's dict also has losses and the sample)."""
     corpus = Corpus.load(args.data)
     preset = get_preset(args.model)
-    cfg = preset.with_vocab(corpus.tokenizer.vocab_size)
-    if args.seq_len:
-        cfg = type(cfg)(**{**cfg.to_dict(), "seq_len": args.seq_len})
-    if args.dropout:
-        cfg = type(cfg)(**{**cfg.to_dict(), "dropout": args.dropout})
+    cfg = replace(preset, vocab=corpus.tokenizer.vocab_size, seq_len=args.seq_len or preset.seq_len,
+                  dropout=args.dropout)
 
     torch.manual_seed(args.seed)
     model = TinyGPT(cfg)
@@ -252,13 +250,17 @@ def train(args, rt) -> dict:
     losses = torch.tensor(local_losses, dtype=torch.float64)
     if rt.distributed:
         comm.all_reduce(losses, "avg", group=strategy.dp_group())
+    # On a CPU the "peak" is measured; measure again now and keep the better one, so a busy
+    # moment at start-up cannot make MFU exceed 100%.
+    if rt.device.type == "cpu":
+        peak_flops = max(peak_flops, device_peak(rt.device, torch.float32)[0])
     timed = step_times[1:] or step_times  # the first step pays for warm-up
     tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     result = {"rank": rt.rank, "memory": memory, "comm": last_comm, "losses": losses.tolist(),
               "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s / rt.world_size, cfg, peak_flops),
               "peak_flops": peak_flops, "peak_flops_source": peak_source, "n_params": n_params,
               "model": {k: v for k, v in cfg.to_dict().items() if k in ("name", "n_layers", "hidden", "heads", "vocab", "seq_len")},
-              "first_step": 0, "steps": args.steps, "resumed_from": start_step,
+              "steps": args.steps, "resumed_from": start_step,
               "step_s_median": sorted(timed)[len(timed) // 2] if timed else None}
     if args.eval_batches:
         val_losses.append([args.steps, evaluate(strategy.module(model), corpus.val, cfg, args, rt.device)])
@@ -301,7 +303,8 @@ def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "val_losses", "tokens_per_s", "mfu",
                                         "peak_flops", "peak_flops_source", "steps", "resumed_from",
                                         "step_s_median")}
-    summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"),
+    summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
+                   global_batch=args.global_batch, micro_batch=args.micro_batch or args.global_batch // nproc,
                    memory=[r["memory"] for r in reports], comm=[r["comm"] for r in reports],
                    duration_s=res.duration_s, run_dir=str(res.run_dir))
     return summary
