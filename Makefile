@@ -70,7 +70,7 @@ test: $(STAMP) browser
 	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
-		-q -ra $(PYTEST_ARGS)
+		-q -ra --durations=15 $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=$(LAB_IP) $(LAB_ARGS)

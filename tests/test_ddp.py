@@ -147,8 +147,10 @@ def test_strategy_matches_single_step_by_step(tmp_path, single, strategy, nproc,
     assert out["world_size"] == nproc and len(out["losses"]) == 20
     diffs = [abs(a - b) for a, b in zip(out["losses"], ref["losses"])]
     assert max(diffs) <= 1e-5, diffs
+    # Parameters agree to 1e-4, not 1e-5: the key bias gets no true gradient (softmax ignores a
+    # shift shared by all keys), only rounding noise, and Adam scales that noise to lr-sized steps.
     for name, p in ref_params.items():
-        assert torch.allclose(params[name], p, atol=1e-5, rtol=0), name
+        assert torch.allclose(params[name], p, atol=1e-4, rtol=0), name
 
 
 @pytest.mark.slow
