@@ -1,4 +1,4 @@
-"""`labsupport` on the command line: doctor, launch, train, memory (more arrive with their notebooks).
+"""`labsupport` on the command line: doctor, launch, train, bench, memory, jobscript (more arrive with their notebooks).
 
 Contract (DESIGN.md 4): every command takes `--json`, and then the last line on stdout is
 one JSON object while human-readable text goes to stderr. A user mistake is one line on
@@ -157,9 +157,16 @@ def cmd_bench(args) -> int:
 
 # ---------------------------------------------------------------- the parser
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line (DESIGN.md 4), with a pointer to --help instead of the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="labsupport", description="Distributed training, built from scratch.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = OneLineParser(prog="labsupport", description="Distributed training, built from scratch.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     d = sub.add_parser("doctor", help="versions, backends, devices and a 2-rank smoke test")
     d.add_argument("--timeout", type=float, default=120)
@@ -210,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sequence-parallel", action="store_true")
     m.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
 
+    from .jobscript import add_arguments as jobscript_arguments
+    js = sub.add_parser("jobscript", help="write a Slurm or PBS job script: N nodes x G GPUs, one rank per GPU")
+    jobscript_arguments(js)
+
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     return p
@@ -246,6 +257,9 @@ def main(argv=None) -> int:
             return cmd_memory(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "jobscript":
+            from .jobscript import run_cli as jobscript_run
+            return jobscript_run(args)
     except UsageError as e:
         print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,331 @@
+"""Job scripts for Slurm and PBS: what they contain, what they launch, and a two-node run.
+
+The schedulers themselves are not here, so the tests go as far as they can without them:
+the scripts are checked by bash, run with stand-ins for srun/scontrol/mpiexec/python that
+record the per-node command, and that per-node command then trains for real on two
+"nodes": two network namespaces joined by a virtual cable.
+"""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import processes_of
+from labsupport import jobscript
+from labsupport.jobscript import render, torchrun_command
+
+TRAIN = ["labsupport", "train", "--strategy", "ddp", "--model", "nano", "--steps", "1000",
+         "--data", "my corpus.txt"]  # an argument with a space, to check the quoting
+
+
+def directives(script: str, prefix: str) -> list[str]:
+    return [line[len(prefix):].strip() for line in script.splitlines() if line.startswith(prefix)]
+
+
+def bash_ok(script: str, tmp_path) -> None:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- what the scripts say
+
+def test_slurm_script_asks_for_the_nodes_and_gpus(tmp_path):
+    script = render("slurm", 2, 4, TRAIN, account="ABC123", time="01:15:00", queue="gpu")
+    bash_ok(script, tmp_path)
+    assert script.startswith("#!/bin/bash\n")
+    sbatch = directives(script, "#SBATCH")
+    for expected in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--account=ABC123",
+                     "--time=01:15:00", "--partition=gpu", "--job-name=labsupport", "--output=%x-%j.out",
+                     "--cpus-per-task=28"):
+        assert expected in sbatch
+    # directives all come before the first command (sbatch stops reading them there)
+    lines = script.splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
+    assert "srun " in script and "--kill-on-bad-exit=1" in script
+
+
+def test_pbs_script_asks_for_the_nodes_and_gpus(tmp_path):
+    script = render("pbs", 2, 4, TRAIN, account="ABC123", time="02:00:00", queue="debug-scaling", job_name="gpt")
+    bash_ok(script, tmp_path)
+    pbs = directives(script, "#PBS")
+    for expected in ("-l select=2:ncpus=28:ngpus=4", "-l place=scatter", "-A ABC123", "-l walltime=02:00:00",
+                     "-q debug-scaling", "-N gpt", "-j oe", "-S /bin/bash"):
+        assert expected in pbs
+    assert 'HEAD_NODE=$(head -n1 "$PBS_NODEFILE")' in script
+    assert 'cd "$PBS_O_WORKDIR"' in script
+    assert 'mpiexec -n "$NNODES" --ppn 1' in script
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_one_torchrun_per_node_one_rank_per_gpu_rendezvous_at_the_head(scheduler):
+    script = render(scheduler, 2, 4, TRAIN)
+    assert "GPUS_PER_NODE=4" in script
+    assert '--nproc-per-node="$GPUS_PER_NODE"' in script
+    assert '--nnodes="$NNODES"' in script
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$PORT" --rdzv-id="$JOB_ID"' in script
+    assert "PORT=29500" in script
+    # torchrun gives every rank its LOCAL_RANK; the script never sets one, nor MASTER_ADDR
+    assert "LOCAL_RANK=" not in script and "MASTER_ADDR" not in script
+    # `labsupport train` becomes `-m labsupport.train` under torchrun, the spaced argument single-quoted
+    assert "-m labsupport.train --strategy ddp --model nano --steps 1000 --data 'my corpus.txt'" in script
+    assert "export LABSUPPORT_RUN_DIR=" in script
+    assert "# export NCCL_SOCKET_IFNAME=" in script and "# export GLOO_SOCKET_IFNAME=" in script
+    # no account and no queue given: none asked for, and a comment says where to add them
+    assert not [d for d in directives(script, "#SBATCH") + directives(script, "#PBS")
+                if d.startswith(("--account", "--partition", "-A", "-q"))]
+
+
+def test_python_commands_keep_their_interpreter_and_shell_characters_stay_literal():
+    script = render("slurm", 1, 2, ["/opt/env/bin/python3", "train.py", "--name", "$HOME; rm -rf x", "it's"])
+    assert "/opt/env/bin/python3 -m torch.distributed.run" in script
+    assert "train.py --name '$HOME; rm -rf x' 'it'\"'\"'s'" in script
+    script = render("pbs", 1, 2, ["python", "-m", "my.module", "--x", "1"])
+    assert "python -m torch.distributed.run" in script and "-m my.module --x 1" in script
+
+
+def test_run_dir_of_the_training_command_becomes_the_jobs_run_directory():
+    script = render("slurm", 2, 4, [*TRAIN, "--run-dir", "/scratch/me/run 1"])
+    assert "export LABSUPPORT_RUN_DIR='/scratch/me/run 1'" in script
+
+
+# ---------------------------------------------------------------- what the scripts launch
+
+FAKE_PYTHON = """#!/bin/sh
+# stands in for python on a compute node: record what torchrun would have been asked to do
+exec @PYTHON@ -c 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR")}))' "$@" >> @LOG@
+"""
+FAKE_SRUN = """#!/bin/sh
+# stands in for srun: record our options, then run the command once (for one node)
+while [ "${1#-}" != "$1" ]; do printf "%s\n" "$1" >> @LOG@; shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/sh
+[ "$1 $2 $3" = "show hostnames node-[a-b]" ] || exit 3
+printf 'node-a\\nnode-b\\n'
+"""
+FAKE_MPIEXEC = """#!/bin/sh
+# stands in for mpiexec: record the launcher's options, then run the command once (for one node)
+while [ "${1#-}" != "$1" ]; do printf "%s\n" "$1" >> @LOG@; case "$1" in -n|--ppn|--hostfile) shift; printf "%s\n" "$1" >> @LOG@;; esac; shift; done
+exec "$@"
+"""
+
+
+def fake_tools(tmp_path, **tools) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in tools.items():
+        path = bin_dir / name
+        log = tmp_path / f"{name}.log"
+        path.write_text(text.replace("@PYTHON@", shlex.quote(sys.executable)).replace("@LOG@", shlex.quote(str(log))))
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def run_script(script, tmp_path, env):
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    res = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads((tmp_path / "python.log").read_text().splitlines()[-1])
+
+
+def test_slurm_script_launches_exactly_torchrun_command(tmp_path):
+    env = fake_tools(tmp_path, python=FAKE_PYTHON, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-[a-b]",
+               SLURM_JOB_NAME="labsupport")
+    got = run_script(render("slurm", 2, 4, TRAIN), tmp_path, env)
+    target = ["-m", "labsupport.train", *TRAIN[2:]]
+    assert got["argv"] == torchrun_command(2, 4, "node-a", 29500, "4242", target)[1:]
+    assert got["run_dir"] == str(tmp_path / "runs" / "labsupport-4242") and os.path.isdir(got["run_dir"])
+    srun_options = (tmp_path / "srun.log").read_text().split()
+    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=28"} <= set(srun_options)
+
+
+def test_pbs_script_launches_exactly_torchrun_command(tmp_path):
+    env = fake_tools(tmp_path, python=FAKE_PYTHON, mpiexec=FAKE_MPIEXEC)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1001c0s0b0n0.hsn.example.org\nx1001c0s1b0n0.hsn.example.org\n")
+    workdir = tmp_path / "submitted-here"
+    workdir.mkdir()
+    env.update(PBS_JOBID="777.pbs-server.example.org", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(workdir),
+               PBS_JOBNAME="gpt")
+    got = run_script(render("pbs", 2, 4, TRAIN, job_name="gpt"), tmp_path, env)
+    target = ["-m", "labsupport.train", *TRAIN[2:]]
+    assert got["argv"] == torchrun_command(2, 4, "x1001c0s0b0n0.hsn.example.org", 29500, "777", target)[1:]
+    assert got["run_dir"] == str(workdir / "runs" / "gpt-777")
+    assert (tmp_path / "mpiexec.log").read_text().split()[:4] == ["-n", "2", "--ppn", "1"]
+
+
+def test_script_refuses_to_run_outside_a_job(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    path = tmp_path / "job.sh"
+    path.write_text(render("slurm", 2, 4, TRAIN))
+    res = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode != 0 and "run this script with sbatch" in res.stderr
+
+
+# ---------------------------------------------------------------- mistakes
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"scheduler": "lsf"}, "scheduler must be slurm or pbs"),
+    ({"nodes": 0}, "nodes must be an integer >= 1"),
+    ({"nodes": "2"}, "nodes must be an integer >= 1"),
+    ({"gpus_per_node": 0}, "gpus-per-node must be an integer >= 1"),
+    ({"command": []}, "give the command each rank runs"),
+    ({"time": "30:00"}, "time must be HH:MM:SS"),
+    ({"time": "00:00:00"}, "time must be HH:MM:SS"),
+    ({"time": "1 hour"}, "time must be HH:MM:SS"),
+    ({"port": 80}, "port must be an integer in 1024..65535"),
+    ({"account": "ABC 123"}, "account must be one word"),
+    ({"account": "ABC\n#SBATCH --nodes=99"}, "account must be one word"),
+    ({"job_name": "my job"}, "job name must start with a letter"),
+    ({"command": ["torchrun", "--nproc-per-node=4", "train.py"]}, "without torchrun"),
+    ({"command": ["python", "-m", "torch.distributed.run", "train.py"]}, "the job script starts torchrun"),
+    ({"command": ["bash", "train.sh"]}, "cannot run"),
+    ({"command": ["python"]}, "cannot run"),
+    ({"command": ["labsupport", "launch", "--nproc", "2", "x.py"]}, "runs on this machine only"),
+    ({"command": ["labsupport", "train", "--nproc", "8"]}, "drop --nproc"),
+    ({"command": ["labsupport", "train", "--strategy", "nope"]}, "unknown strategy 'nope'"),
+    ({"command": ["labsupport", "train", "--steps", "5"]}, "strategy 'single' runs on one rank, and this job has 8"),
+    ({"command": ["labsupport", "train", "--strategy", "ddp", "--global-batch", "12"]}, "--global-batch 12 must be divisible"),
+    ({"command": ["labsupport", "train", "--stpes", "5"]}, "training arguments: unrecognized arguments: --stpes"),
+])
+def test_bad_input_is_one_line(kwargs, message):
+    call = {"scheduler": "slurm", "nodes": 2, "gpus_per_node": 4,
+            "command": ["labsupport", "train", "--strategy", "ddp"], **kwargs}
+    with pytest.raises(ValueError) as err:
+        render(**call)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- the command line (until cli.py wires it)
+
+def test_main_prints_the_script_or_writes_it(tmp_path, capsys):
+    argv = ["--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--account", "ABC123", "--", *TRAIN]
+    assert jobscript.main(argv) == 0
+    assert capsys.readouterr().out == render("slurm", 2, 4, TRAIN, account="ABC123")
+
+    out = tmp_path / "job.pbs"
+    assert jobscript.main(["--scheduler", "pbs", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out),
+                           "--json", "--", *TRAIN]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out.splitlines()[-1])
+    assert payload == {"scheduler": "pbs", "path": str(out), "script": out.read_text()}
+    assert payload["script"] == render("pbs", 2, 4, TRAIN)
+    assert f"qsub {out}" in captured.err and os.access(out, os.X_OK)
+
+
+def test_main_reports_a_mistake_in_one_line(capsys):
+    assert jobscript.main(["--scheduler", "slurm", "--nodes", "0", "--gpus-per-node", "4", "--", *TRAIN]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "labsupport jobscript: error: nodes must be an integer >= 1, got 0"
+
+
+# ---------------------------------------------------------------- two nodes, for real
+
+STEPS_ARGS = ["--strategy", "ddp", "--model", "nano", "--steps", "6", "--global-batch", "8",
+              "--sample-chars", "0", "--eval-batches", "1"]
+# Runs inside a node's namespaces: give the node its own host name, and the cluster's name
+# table (the namespaces share our filesystem, so the table is bind-mounted over /etc/hosts only
+# inside this node's private mount namespace, which `ip netns exec` creates).
+NODE_SETUP = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+
+
+def _ip(*args, check=True):
+    res = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {res.stderr.strip()}")
+    return res
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_nodes_in_network_namespaces_match_single(tmp_path):
+    """Two "nodes" (network namespaces on a veth pair, each with its own host name) run the
+    per-node command of the job scripts; the losses equal a single-process run's.
+
+    Like on a cluster, the rendezvous endpoint is the first node's *name*: torchrun's c10d
+    rendezvous is hosted by the node whose host name matches it, and the ranks find rank 0
+    by its name too.
+    """
+    from labsupport.launch import kill_tree
+    from labsupport.train import run
+
+    missing = [tool for tool in ("ip", "unshare", "mount", "hostname") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (iproute2 / util-linux): apt-get install iproute2 util-linux")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    pid = os.getpid()
+    subnet = f"10.123.{pid % 250 + 1}"
+    nodes = [{"ns": f"ls-a-{pid}", "veth": f"lsa{pid}", "addr": f"{subnet}.1", "name": f"ls-node-a-{pid}"},
+             {"ns": f"ls-b-{pid}", "veth": f"lsb{pid}", "addr": f"{subnet}.2", "name": f"ls-node-b-{pid}"}]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n['addr']} {n['name']}\n" for n in nodes))
+    run_dir = tmp_path / "job-run"
+    run_dir.mkdir()
+    procs, logs = [], []
+    try:
+        res = _ip("netns", "add", nodes[0]["ns"], check=False)
+        if res.returncode != 0:
+            pytest.skip(f"cannot create network namespaces here: {res.stderr.strip()}")
+        _ip("netns", "add", nodes[1]["ns"])
+        _ip("link", "add", nodes[0]["veth"], "type", "veth", "peer", "name", nodes[1]["veth"])
+        for n in nodes:
+            _ip("link", "set", n["veth"], "netns", n["ns"])
+            _ip("-n", n["ns"], "addr", "add", f"{n['addr']}/24", "dev", n["veth"])
+            _ip("-n", n["ns"], "link", "set", n["veth"], "up")
+            _ip("-n", n["ns"], "link", "set", "lo", "up")
+        probe = subprocess.run(["ip", "netns", "exec", nodes[0]["ns"], "unshare", "--uts", "sh", "-c", NODE_SETUP,
+                                "node", str(hosts), nodes[0]["name"], "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot give a namespace its own host name and hosts file: {probe.stderr.strip()}")
+
+        # A fresh namespace has no listeners, so any port is free there.
+        command = torchrun_command(nodes=2, gpus_per_node=1, head=nodes[0]["name"], port=29500,
+                                   job_id=f"ls-test-{pid}", target_args=["-m", "labsupport.train", *STEPS_ARGS],
+                                   python=sys.executable)
+        start = time.monotonic()
+        for n in nodes:
+            env = {**os.environ, "LABSUPPORT_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1",
+                   "GLOO_SOCKET_IFNAME": n["veth"]}
+            log = open(tmp_path / f"{n['name']}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(["ip", "netns", "exec", n["ns"], "unshare", "--uts", "sh", "-c", NODE_SETUP,
+                                           "node", str(hosts), n["name"], *command],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, 90 - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                pass
+        outputs = {n["name"]: (tmp_path / f"{n['name']}.log").read_text()[-3000:] for n in nodes}
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        print(f"two nodes trained in {time.monotonic() - start:.1f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+        for log in logs:
+            log.close()
+        for n in nodes:
+            _ip("netns", "del", n["ns"], check=False)  # takes its end of the veth pair with it
+        _ip("link", "del", nodes[0]["veth"], check=False)  # in case it never moved into a namespace
+    assert processes_of(run_dir) == []
+
+    reports = [json.loads((run_dir / f"report-rank{r}.jsonl").read_text().splitlines()[-1]) for r in (0, 1)]
+    assert [r["world_size"] for r in reports] == [2, 2]
+    ref = run(strategy="single", nproc=1, model="nano", steps=6, global_batch=8, sample_chars=0, eval_batches=1)
+    assert len(reports[0]["losses"]) == len(ref["losses"]) == 6
+    for step, (got, want) in enumerate(zip(reports[0]["losses"], ref["losses"])):
+        assert abs(got - want) <= 1e-5, f"step {step}: two nodes {got}, single {want}"
