@@ -6,19 +6,17 @@ Two halves live here, one on each side of torchrun:
   kernel or the shell. It checks the arguments, picks a free port on 127.0.0.1, starts
   torchrun in its own process session, prints each rank's lines as they arrive, enforces a
   timeout, and on any failure, timeout or interrupt kills the whole process tree;
-* the rank wrapper (`python -m labsupport.launch SCRIPT|-m MODULE ...`, started by torchrun
-  once per rank) prefixes the rank's output, tees it to `rank{k}.log`, records the rank's
-  exit code or traceback in the run directory, and can dump its Python stack on request so a
-  hung rank can say where it is waiting.
+* the rank wrapper (rank.py: `python -m labsupport.rank SCRIPT|-m MODULE ...`, started by
+  torchrun once per rank) prefixes the rank's output, tees it to `rank{k}.log`, records the
+  rank's exit code or traceback in the run directory, and can dump its Python stack on
+  request so a hung rank can say where it is waiting.
 
 The launcher knows nothing about models: it runs any script or module.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import faulthandler
 import json
 import os
 import re
@@ -29,7 +27,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,14 +165,6 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     proc.wait()
 
 
-def _die_with_parent(sig=signal.SIGTERM):
-    """Ask Linux to signal this process when its parent dies, so a killed launcher leaves no orphans."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 # ---------------------------------------------------------------- the result
 
 @dataclass
@@ -248,11 +237,12 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     out = out or sys.stdout
     shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
 
+    from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
     from .runtime import threads_per_rank
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-           "--monitor-interval=0.1", "-m", "labsupport.launch", *target, *map(str, args)]
+           "--monitor-interval=0.1", "-m", "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),
                  "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1",
                  "OMP_NUM_THREADS": str(threads_per_rank(nproc)),
@@ -265,7 +255,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
 
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=die_with_parent)
     try:
         with open(run_dir / "torchrun.log", "w") as agent_log:
             _pump(proc, start, timeout, shown, out, agent_log)
@@ -404,84 +394,6 @@ def _innermost_frame(dump: str) -> str:
     return f"{frames[0][2]} at {Path(frames[0][0]).name}:{frames[0][1]}"
 
 
-# ---------------------------------------------------------------- the rank wrapper
-
-class _RankStream:
-    """Line-buffered writer that prefixes every line with the rank and tees it to the rank's log."""
-
-    def __init__(self, rank: int, stream, log):
-        self.prefix, self.stream, self.log, self.pending = f"[rank {rank}] ", stream, log, ""
-
-    def write(self, text):
-        self.pending += text
-        *lines, self.pending = re.split(r"(?<=\n)|(?<=\r)", self.pending)
-        for line in lines:
-            self.stream.write(self.prefix + line)
-            self.log.write(line)
-        self.flush()
-        return len(text)
-
-    def flush(self):
-        self.stream.flush()
-        self.log.flush()
-
-    def isatty(self):
-        return False
-
-    def fileno(self):
-        return self.stream.fileno()
-
-    def close_pending(self):
-        if self.pending:
-            self.write("\n")
-
-
-def _user_traceback(e: BaseException) -> str:
-    """The traceback from the user's code down, without this wrapper's and runpy's frames."""
-    frames = traceback.extract_tb(e.__traceback__)
-    while frames and (frames[0].filename == __file__ or "runpy" in frames[0].filename):
-        frames.pop(0)
-    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
-            + "".join(traceback.format_exception_only(type(e), e)))
-
-
-def _rank_main(argv: list[str]) -> int:
-    import runpy
-    rank = int(os.environ.get("RANK", 0))
-    run_dir = Path(os.environ.get("LABSUPPORT_RUN_DIR", "."))
-    _die_with_parent(signal.SIGKILL)
-    (run_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
-    stack_file = open(run_dir / f"stack-rank{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)  # "where are you waiting?"
-    faulthandler.enable(file=stack_file)  # and where a crash in C++ (abort, segfault) happened
-    log = open(run_dir / f"rank{rank}.log", "a", encoding="utf-8")
-    out = _RankStream(rank, sys.__stdout__, log)
-    sys.stdout = sys.stderr = out
-    code = 0
-    try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, str(Path(argv[0]).parent))
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code)
-    except BaseException as e:  # report, then exit non-zero: torchrun stops the other ranks
-        code = 1
-        tb = _user_traceback(e)
-        out.write(tb)
-        (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}".splitlines()[0],
-             "traceback": tb}))
-    out.close_pending()
-    (run_dir / f"exit-rank{rank}").write_text(str(code))
-    return code
-
-
 # ---------------------------------------------------------------- the %%torchrun cell magic
 
 def _magic_parser() -> argparse.ArgumentParser:
@@ -510,6 +422,3 @@ def torchrun_magic(line: str, cell: str, user_ns: dict | None = None) -> None:
     if user_ns is not None:
         user_ns[opts.out] = result
 
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1:]))

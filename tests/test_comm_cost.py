@@ -101,9 +101,12 @@ def test_fit_never_returns_a_negative_latency_or_bandwidth():
     times = [collective_time("all_reduce", "ring", m, 8, 0.0, LINK_BETA) - 1e-6 for m in sizes]
     alpha, beta = fit_alpha_beta(sizes, times, p=8)
     assert alpha == 0.0 and beta == pytest.approx(LINK_BETA, rel=1e-3)
-    # times that fall as messages grow: beta is fixed at 0, alpha explains the mean time
-    alpha, beta = fit_alpha_beta([1e3, 1e4], [30e-6, 20e-6], p=4)
-    assert beta == 0.0 and alpha == pytest.approx((30e-6 + 20e-6) / 2 / 6, rel=1e-12)  # ring: 2(p-1) = 6 alpha
+    # times that fall as messages grow: beta is fixed at 0 and alpha alone fits the times
+    # (ring: t = 2(p-1) alpha = 6 alpha), minimising relative errors sum((6 alpha / t - 1)^2)
+    times = [30e-6, 20e-6]
+    alpha, beta = fit_alpha_beta([1e3, 1e4], times, p=4)
+    best = sum(6 / t for t in times) / sum((6 / t) ** 2 for t in times)
+    assert beta == 0.0 and alpha == pytest.approx(best, rel=1e-12)
 
 
 @pytest.mark.parametrize("sizes, times, p, message", [

@@ -6,7 +6,6 @@ the test rounds our exact value the same way.
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

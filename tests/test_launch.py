@@ -1,13 +1,11 @@
 """The launcher: real ranks under torchrun, and every way a run can go wrong leaves nothing behind."""
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 

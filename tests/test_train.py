@@ -12,7 +12,7 @@ import torch
 
 from labsupport import checkpoint
 from labsupport.train import build_parser, lr_at
-from conftest import processes_of, run_cli
+from conftest import run_cli
 
 NANO = ["--model", "nano", "--global-batch", "8", "--sample-chars", "40", "--eval-batches", "1"]
 

@@ -1,0 +1,109 @@
+"""The rank side of a launch: what torchrun starts once per rank, around the user's code.
+
+`python -m labsupport.rank SCRIPT [ARGS]` (or `-m MODULE [ARGS]`) runs the script as
+`__main__`, and around it: every output line gets a `[rank k] ` prefix (so the launcher can
+route and filter it) and is teed to `rank{k}.log`; an exception's traceback (from the user's
+code down) and the exit code are written to the run directory; faulthandler dumps the stack
+on SIGUSR1 (the launcher asks a hung rank where it waits) and on a native crash. The rank
+also dies with its parent, so a killed torchrun leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def die_with_parent(sig=signal.SIGTERM):
+    """Ask Linux to signal this process when its parent dies, so a killed launcher leaves no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _RankStream:
+    """Line-buffered writer that prefixes every line with the rank and tees it to the rank's log."""
+
+    def __init__(self, rank: int, stream, log):
+        self.prefix, self.stream, self.log, self.pending = f"[rank {rank}] ", stream, log, ""
+
+    def write(self, text):
+        self.pending += text
+        *lines, self.pending = re.split(r"(?<=\n)|(?<=\r)", self.pending)
+        for line in lines:
+            self.stream.write(self.prefix + line)
+            self.log.write(line)
+        self.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        return self.stream.fileno()
+
+    def close_pending(self):
+        if self.pending:
+            self.write("\n")
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The traceback from the user's code down, without this wrapper's and runpy's frames."""
+    frames = traceback.extract_tb(e.__traceback__)
+    while frames and (frames[0].filename == __file__ or "runpy" in frames[0].filename):
+        frames.pop(0)
+    return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+            + "".join(traceback.format_exception_only(type(e), e)))
+
+
+def _rank_main(argv: list[str]) -> int:
+    import runpy
+    rank = int(os.environ.get("RANK", 0))
+    run_dir = Path(os.environ.get("LABSUPPORT_RUN_DIR", "."))
+    die_with_parent(signal.SIGKILL)
+    (run_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
+    stack_file = open(run_dir / f"stack-rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)  # "where are you waiting?"
+    faulthandler.enable(file=stack_file)  # and where a crash in C++ (abort, segfault) happened
+    log = open(run_dir / f"rank{rank}.log", "a", encoding="utf-8")
+    out = _RankStream(rank, sys.__stdout__, log)
+    sys.stdout = sys.stderr = out
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, str(Path(argv[0]).parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code)
+    except BaseException as e:  # report, then exit non-zero: torchrun stops the other ranks
+        code = 1
+        tb = _user_traceback(e)
+        out.write(tb)
+        (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}".splitlines()[0],
+             "traceback": tb}))
+    out.close_pending()
+    (run_dir / f"exit-rank{rank}").write_text(str(code))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))
