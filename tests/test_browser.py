@@ -62,3 +62,48 @@ def test_collectives_stepper_updates_in_jupyterlab(lab, page, request):
         page.locator("button.labsupport-reset").click()
         wait_for_text(state, expected[0])
     assert time.monotonic() - started < 120
+
+
+@pytest.fixture
+def own_lab():
+    """A JupyterLab for one test alone. The module's `lab` keeps its workspace on the server, so a later
+    test's page restores the tabs an earlier test left open, and Run All may then run the wrong notebook."""
+    require_chromium()
+    with jupyter_lab() as server:
+        yield server
+    assert not tagged_processes(server.tag), "JupyterLab left processes behind"
+
+
+@pytest.mark.timeout(480)  # the whole notebook runs first: about a minute on a quiet 2-core machine
+def test_notebook_00_runs_and_its_stepper_follows_the_ring(own_lab, request):
+    """Run notebook 00 top to bottom in JupyterLab, then step its all-reduce widget by clicking:
+    after each ring step the per-rank readout is exactly simulate()'s state for that step."""
+    notebook = "00_setup_and_collectives.ipynb"
+    n = 4
+    expected = [format_state(s) for s in simulate("all_reduce", n, initial=symbolic_initial("all_reduce", n))]
+    steps = len(expected) - 1  # 2(n-1) = 6 ring steps
+    with chromium_page() as page, artifacts_on_failure(page, request.node.name, own_lab):
+        run_notebook_in_browser(page, own_lab, notebook, timeout_s=360)
+        assert page.evaluate("() => window.jupyterapp.shell.currentWidget.context.path") == notebook
+        # the outputs were cleared before the run, so this verdict of a check cell is fresh
+        verdict = "all 8 collectives gave the results their definitions say"
+        page.locator(".jp-OutputArea-output", has_text=verdict).wait_for(timeout=10_000)
+
+        widgets = page.locator(".labsupport-collectives")
+        widgets.first.wait_for(state="visible", timeout=30_000)
+        assert widgets.count() == 1, f"notebook 00 should show one collectives widget, found {widgets.count()}"
+        widget = widgets.first
+        state = widget.locator(".labsupport-collectives-state")
+        label = widget.locator(".labsupport-collectives-step")
+        step = widget.locator("button.labsupport-step")
+        figure = widget.locator(".labsupport-collectives-figure")
+        assert widget.locator(".labsupport-collective select").input_value() == "all_reduce"
+        wait_for_text(state, expected[0], timeout_s=30)
+        wait_for_text(label, f"start ({steps} steps)")
+        for k in range(1, steps + 1):
+            before = figure.get_attribute("src")
+            step.click()
+            wait_for_text(label, f"step {k} of {steps}")
+            wait_for_text(state, expected[k])
+            assert figure.get_attribute("src") != before, f"the picture was not redrawn at step {k}"
+        assert step.is_disabled(), "step should be disabled after the last ring step"
