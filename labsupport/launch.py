@@ -337,10 +337,10 @@ def _failure_message(result: RunResult) -> str:
         err = errors[0]
         tail = "\n".join(err["traceback"].rstrip().splitlines()[-8:])
         return f"rank {err['rank']} failed: {err['error']}\n{tail}\n(logs in {result.run_dir})"
-    if result.returncode and any(c is None for c in result.exit_codes.values()):
-        dead = [r for r, c in result.exit_codes.items() if c is None]
-        return (f"rank(s) {dead} died without a Python error (killed, out of memory or crashed); "
-                f"torchrun exited {result.returncode}; logs in {result.run_dir}")
+    dead = [r for r, c in result.exit_codes.items() if c is None]
+    if dead:
+        return (f"rank(s) {dead} left no exit code (killed, out of memory, crashed, or never started); "
+                f"torchrun exited {result.returncode}; see {result.run_dir}/torchrun.log")
     bad = {r: c for r, c in result.exit_codes.items() if c}
     return f"rank(s) exited non-zero {bad}; logs in {result.run_dir}"
 

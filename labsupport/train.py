@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine (default: lr/10)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 10%% of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dropout", type=float, default=0.0)
@@ -94,7 +94,7 @@ def validate(args, world_size: int) -> None:
 
 def lr_at(step: int, args) -> float:
     """Linear warm-up, then cosine decay to min_lr at the last step (GPT-3 style)."""
-    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
     if step < warmup:
         return args.lr * (step + 1) / warmup

@@ -18,7 +18,7 @@ class AccelerateDDP(Strategy):
 
     def __init__(self, rt, args):
         super().__init__(rt, args)
-        kwargs = DistributedDataParallelKwargs(bucket_cap_mb=int(getattr(args, "bucket_mb", 25)) or 1)
+        kwargs = DistributedDataParallelKwargs(bucket_cap_mb=getattr(args, "bucket_mb", 25.0))
         self.accelerator = Accelerator(cpu=rt.device.type == "cpu", kwargs_handlers=[kwargs])
         self.model = None
 

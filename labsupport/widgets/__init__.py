@@ -9,6 +9,10 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
 
   memory        memory breakdown per device: params, grads, optimizer states, activations
                 (`MemoryWidget`, `memory_figure`, `measured_vs_predicted_figure`)
+  collectives   step through a collective's schedule, rank by rank and chunk by chunk
+                (`CollectivesWidget`, `collectives_figure`)
+  timeline      one recorded step per rank: compute, each bucket's all-reduce, hidden vs exposed
+                (`TimelineWidget`, `timeline_figure`)
 
 Import the submodule you need, e.g. `from labsupport.widgets.memory import MemoryWidget`;
 nothing is imported here, so loading one widget never pulls in the others' dependencies.
