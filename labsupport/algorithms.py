@@ -36,14 +36,28 @@ def _check_op(op: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use 'sum' and divide")
 
 
+_SCRATCH: dict = {}
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer kept between calls: allocating (and page-faulting) megabytes on every
+    call costs as much as the reduction itself. These functions run one at a time (each returns
+    when its data is complete), so one buffer, for the last size asked, is enough."""
+    key = (numel, like.dtype, like.device)
+    if key not in _SCRATCH:
+        _SCRATCH.clear()
+        _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return _SCRATCH[key]
+
+
 def _run(steps, chunks: list[torch.Tensor], op: str | None = None) -> None:
     """Execute this rank's part of ring steps on `chunks`, views of one flat buffer.
 
-    A reduced chunk is received into a scratch buffer (reused at every step) and then folded
-    into ours; a stored chunk is received straight into its place.
+    A reduced chunk is received into a scratch buffer (reused at every step and call) and then
+    folded into ours; a stored chunk is received straight into its place.
     """
     me = comm.get_rank()
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    scratch = _scratch(max(c.numel() for c in chunks), chunks[0])
     for step in steps:
         send = next(t for t in step if t.src == me)  # in a ring, one of each per rank and step
         recv = next(t for t in step if t.dst == me)

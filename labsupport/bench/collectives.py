@@ -14,6 +14,7 @@ from ..estimate.comm_cost import algbw, busbw, fit_alpha_beta
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes: 4 KB .. 16 MB
 HEADLINE_BYTES = 2**24
+WARMUP = 3  # untimed rounds first, as nccl-tests does: the first calls of a process are slow
 
 
 def check(nproc: int, sizes=None, repeats: int = 5) -> None:
@@ -61,8 +62,7 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
                           "reference": lambda: dist.broadcast(x.clone(), 0)},
         }
         for op, impls in cases.items():
-            for fn in impls.values():
-                fn()  # warm-up: connections, allocations
+            alternate(impls, WARMUP, sync=dist.barrier)  # connections, allocator, caches
             times = alternate(impls, repeats, sync=dist.barrier)
             for impl, ts in times.items():
                 rows.append({"op": op, "impl": impl, "bytes": size, "seconds": median(ts)})
