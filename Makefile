@@ -72,8 +72,11 @@ test: $(STAMP) browser
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
 		-q -ra --durations=15 $(PYTEST_ARGS)
 
+# As root (a container, a CI box) JupyterLab refuses to start without --allow-root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=$(LAB_IP) $(LAB_ARGS)
+	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
 
 # Widget state and per-cell execution timestamps are not stored (they only churn diffs).
 notebooks: $(STAMP)
