@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-mode", choices=["naive", "flat", "bucketed"], default="bucketed",
                    help="ddp: how gradients are all-reduced")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="ddp/torch-ddp: allow parameters that get a gradient on some ranks only")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)

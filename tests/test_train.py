@@ -105,3 +105,10 @@ def test_bad_train_arguments_fail_fast_with_one_line(args, message):
 def test_train_parser_defaults_match_the_contract():
     args = build_parser().parse_args([])
     assert (args.strategy, args.model, args.dtype, args.steps) == ("single", "micro", "fp32", 200)
+
+
+@pytest.mark.multiprocess
+def test_bf16_autocast_trains_on_cpu():
+    out = train_json("--strategy", "single", "--steps", "6", "--dtype", "bf16", "--sample-chars", "0")
+    assert len(out["losses"]) == 6 and all(0 < loss < 10 for loss in out["losses"])
+    assert out["dtype"] == "bf16" and out["memory"][0]["activations"] > 0
