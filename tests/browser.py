@@ -18,6 +18,7 @@ tagged in its environment and killed when the context ends, whatever happened.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -122,6 +123,9 @@ def artifacts_on_failure(page, name: str, lab: "Lab | None" = None):
 
 # ---------------------------------------------------------------- the JupyterLab server
 
+_WORKSPACES = itertools.count()
+
+
 @dataclass
 class Lab:
     """A running private JupyterLab. `url` is the base URL (ends with '/'), `root` the folder it serves."""
@@ -138,7 +142,10 @@ class Lab:
         """The address that opens `notebook` (a path relative to `root`, or inside it) in JupyterLab."""
         path = Path(notebook)
         relative = path.relative_to(self.root) if path.is_absolute() else path
-        return f"{self.url}lab/tree/{quote(relative.as_posix())}?token={self.token}"
+        # A fresh workspace each time: JupyterLab otherwise restores the tabs an earlier test left
+        # open, and the notebook in front might not be this one.
+        workspace = f"test-{next(_WORKSPACES)}"
+        return f"{self.url}lab/workspaces/{workspace}/tree/{quote(relative.as_posix())}?reset&token={self.token}"
 
     def api(self, path: str, timeout: float = 5):
         """GET the server's REST API (e.g. 'api/kernels'); returns the decoded JSON."""
