@@ -184,14 +184,10 @@ class DataParallel(Strategy):
             for p in self._trainable(model):
                 if p.grad is not None:
                     comm.all_reduce(p.grad, "avg")
-        elif self.mode == "flat":
-            grads = [p.grad for p in self._trainable(model) if p.grad is not None]
-            flat = torch.cat([g.view(-1) for g in grads])
-            comm.all_reduce(flat, "avg")
-            offset = 0
-            for g in grads:
-                g.view(-1).copy_(flat[offset:offset + g.numel()])
-                offset += g.numel()
+        elif self.mode == "flat":  # one bucket holding every gradient, sent after backward
+            bucket = Bucket([p for p in self._trainable(model) if p.grad is not None], 0)
+            bucket.launch()
+            bucket.finish()
         else:
             if self.find_unused_parameters:
                 self._agree_on_used(self._trainable(model))
