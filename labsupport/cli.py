@@ -74,8 +74,8 @@ def cmd_launch(args) -> int:
     payload = {"ok": res.ok, "exit_codes": res.exit_codes, "duration_s": res.duration_s,
                "run_dir": str(res.run_dir), "reports": res.reports}
     if not res.ok:
-        from .launch import _failure_message
-        print(f"labsupport: error: {_failure_message(res)}", file=sys.stderr)
+        from .launch import failure_message
+        print(f"labsupport: error: {failure_message(res)}", file=sys.stderr)
     if args.json:
         print(json.dumps(payload))
     return 0 if res.ok else 1

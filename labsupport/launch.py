@@ -273,7 +273,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
 
     result = RunResult(run_dir, nproc, proc.returncode, time.monotonic() - start, _exit_codes(run_dir, nproc))
     if check and not result.ok:
-        raise RankFailed(_failure_message(result))
+        raise RankFailed(failure_message(result))
     return result
 
 
@@ -322,7 +322,7 @@ def _exit_codes(run_dir: Path, nproc: int) -> dict[int, int | None]:
     return codes
 
 
-def _failure_message(result: RunResult) -> str:
+def failure_message(result: RunResult) -> str:
     """Name the rank that failed first with the tail of its traceback.
 
     When one rank dies, its peers fail too, with "connection reset/closed by peer" from the
