@@ -5,8 +5,6 @@ To cover a stored notebook, add a test like the one below that calls
 `run_notebook_in_browser(page, lab, "00_setup_and_collectives.ipynb")` and then drives the
 widget it displays; the `lab` fixture serves a copy of notebooks/.
 """
-import time
-
 import pytest
 
 from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
@@ -40,7 +38,6 @@ def test_collectives_stepper_updates_in_jupyterlab(lab, page, request):
                    "w.widget")
     n = 4
     expected = [format_state(s) for s in simulate("all_reduce", n, initial=symbolic_initial("all_reduce", n))]
-    started = time.monotonic()
     with artifacts_on_failure(page, request.node.name, lab):
         run_notebook_in_browser(page, lab, "stepper.ipynb")
         state = page.locator(".labsupport-collectives-state")
@@ -61,7 +58,6 @@ def test_collectives_stepper_updates_in_jupyterlab(lab, page, request):
         wait_for_text(state, expected[2])
         page.locator("button.labsupport-reset").click()
         wait_for_text(state, expected[0])
-    assert time.monotonic() - started < 120
 
 
 @pytest.fixture

@@ -69,6 +69,34 @@ def test_every_wrapper_matches_torch_and_is_counted(tmp_path):
     assert c1["recv"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 0} and "send" not in c1
 
 
+ASYNC_AVG_SCRIPT = textwrap.dedent("""
+    import torch
+    from labsupport import comm, init, report
+    with init() as rt:
+        r, n = rt.rank, rt.world_size
+        results = {}
+        t = torch.tensor([r + 1.0]); work = comm.all_reduce(t, "avg", async_op=True)
+        work.wait(); work.wait()                      # a second wait must not divide again
+        results["world"] = t.item()                   # mean of 1..n
+        pair = comm.new_group([0, 1], "pair")         # every rank creates it, ranks 0 and 1 use it
+        if r in (0, 1):
+            t = torch.tensor([r + 1.0]); comm.all_reduce(t, "avg", group=pair, async_op=True).wait()
+            results["pair"] = t.item()                # mean of 1 and 2
+        report(**results)
+""")
+
+
+def test_async_avg_gives_the_mean_after_wait(tmp_path):
+    """"avg" is a sum and then a division (gloo has no AVG): the division must come with wait()."""
+    script = tmp_path / "avg.py"
+    script.write_text(ASYNC_AVG_SCRIPT)
+    n = 3
+    res = launch(str(script), nproc=n, run_dir=tmp_path / "run", timeout=300)
+    for rank in range(n):
+        assert res.report(rank)["world"] == 2.0, rank   # (1 + 2 + 3) / 3, not the sum 6
+    assert res.report(0)["pair"] == res.report(1)["pair"] == 1.5 and "pair" not in res.report(2)
+
+
 def test_unsupported_reduction_is_a_clear_error():
     with pytest.raises(ValueError, match="unsupported reduction 'median'"):
         comm.all_reduce(None, "median")

@@ -187,22 +187,38 @@ def test_line_parser_agrees_with_pyyaml():
     assert parse_environment_yml(text) == yaml.safe_load(text)
 
 
-def test_nbval_sanitizers_parse_and_work():
+def nbval_sanitizer():
+    """The function nbval applies to stored and fresh outputs, built from tests/nbval_sanitize.cfg."""
     from nbval.plugin import get_sanitize_patterns
 
     patterns = get_sanitize_patterns(read("tests/nbval_sanitize.cfg"))
-    assert len(patterns) >= 6
+    assert len(patterns) >= 8
 
     def sanitize(s: str) -> str:
         for regex, replace in patterns:
             s = re.sub(regex, replace, s)
         return s
+    return sanitize
 
-    a = ("step 3 took 0.52 s (1,234.5 tokens/s) on pid 4242 at 127.0.0.1:29511, "
+
+def test_nbval_sanitizers_mask_what_changes_between_runs():
+    sanitize = nbval_sanitizer()
+    a = ("step 3 took ~0.52 s (~1,234.5 tokens/s, ~3.1 GB/s, MFU ~41.5%) on pid 4242 at 127.0.0.1:29511, "
          "run dir runs/20250101-120000-cell, object at 0x7f3a2b1c")
-    b = ("step 3 took 12ms (98 tokens/s) on pid 7 at 127.0.0.1:40001, "
+    b = ("step 3 took ~12ms (~98 tokens/s, ~870 MB/s, MFU ~9.0%) on pid 7 at 127.0.0.1:40001, "
          "run dir /tmp/clone/runs/20260202-080000-other, object at 0x55aa")
     assert sanitize(a) == sanitize(b)
-    # and it leaves the numbers that matter alone
-    kept = "loss 4.1732 after 20 steps, 16 MB all-reduce, world size 2"
-    assert sanitize(kept) == kept
+
+
+def test_nbval_sanitizers_leave_predictions_alone():
+    """Only numbers marked "~" are measurements; a computed value with a unit is compared as printed."""
+    sanitize = nbval_sanitizer()
+    row = "all-reduce, one buffer (flat):  0.468 s predicted, ~0.512 s measured"
+    assert sanitize(row) == "all-reduce, one buffer (flat):  0.468 s predicted, ~TIME measured"
+    assert sanitize("0.468 s") != sanitize("0.470 s"), "a wrong prediction would pass unnoticed"
+    kept = ["    8                     256 KiB        0.143 ms        0.282 ms         75.2 ms        257.7 ms",
+            "GPU         fp32 TFLOP/s  bf16 TFLOP/s",
+            "H100 at 989.0 TFLOP/s, NVLink 450 GB/s, 1,234 tokens/s predicted",
+            "loss 4.1732 after 20 steps, 16 MB all-reduce, world size 2, 5 min budget"]
+    for line in kept:
+        assert sanitize(line) == line
