@@ -84,14 +84,10 @@ def cmd_launch(args) -> int:
 # ---------------------------------------------------------------- train
 
 def cmd_train(args, train_argv: list[str]) -> int:
-    from .data import DataError
     from .train import build_parser as train_parser, run
     options = vars(train_parser().parse_args(train_argv))
-    try:
-        summary = run(nproc=args.nproc, timeout=args.timeout, ranks=args.ranks,
-                      out=sys.stderr if args.json else sys.stdout, **options)
-    except (ValueError, DataError) as e:
-        raise UsageError(str(e)) from None
+    summary = run(nproc=args.nproc, timeout=args.timeout, ranks=args.ranks,
+                  out=sys.stderr if args.json else sys.stdout, **options)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -119,8 +115,14 @@ def cmd_memory(args) -> int:
             raise UsageError("give --model PRESET, --params N, or all of --layers --hidden --heads --vocab --seq-len")
         cfg = ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
     override = None
-    if args.param_bytes is not None:
-        override = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
+    flags = {"params": "--param-bytes", "grads": "--grad-bytes", "optimizer": "--optimizer-bytes"}
+    given = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
+    if any(v is not None for v in given.values()):  # one flag alone would silently mix with --precision
+        missing = [flags[k] for k, v in given.items() if v is None]
+        if missing:
+            raise UsageError(f"give all three of --param-bytes, --grad-bytes and --optimizer-bytes "
+                             f"(missing {' and '.join(missing)})")
+        override = given
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
                           recompute=args.recompute, bytes_override=override, n_params=args.params)
@@ -208,9 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(f"--{flag}", type=int, default=None)
     m.add_argument("--micro-batch", type=int, default=1)
     m.add_argument("--precision", choices=["fp32", "mixed"], default="mixed")
-    m.add_argument("--param-bytes", type=float, default=None)
-    m.add_argument("--grad-bytes", type=float, default=None)
-    m.add_argument("--optimizer-bytes", type=float, default=None)
+    for flag in ("param-bytes", "grad-bytes", "optimizer-bytes"):  # floats, so "2.0" works; whole numbers only
+        m.add_argument(f"--{flag}", type=float, default=None, help="bytes per parameter; give all three")
     for flag in ("dp", "tp", "pp"):
         m.add_argument(f"--{flag}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
@@ -260,15 +261,13 @@ def main(argv=None) -> int:
         if args.command == "jobscript":
             from .jobscript import run_cli as jobscript_run
             return jobscript_run(args)
-    except UsageError as e:
-        print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
+    except (UsageError, ValueError) as e:  # a user mistake; a ConfigError has one line per mistake
+        for line in str(e).splitlines():
+            print(f"labsupport {args.command}: error: {line}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:  # bad values caught by estimate/ or model presets
-        print(f"labsupport {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"labsupport {args.command}: interrupted; all ranks stopped", file=sys.stderr)
         return 130

@@ -136,7 +136,7 @@ def test_micro_batches():
 @pytest.mark.slow
 def test_tiny_gpt_learns_the_corpus():
     """The shipped corpus has enough structure for the smallest preset to learn fast."""
-    from labsupport.model import TinyGPT, get_preset
+    from labsupport.model import TinyGPT, get_preset, lm_loss
 
     corpus = Corpus.load()
     cfg = get_preset("nano").with_vocab(corpus.tokenizer.vocab_size)
@@ -149,7 +149,7 @@ def test_tiny_gpt_learns_the_corpus():
     try:
         for step in range(150):
             x, y = sampler.global_batch(step)
-            loss = model(x, y)
+            loss = lm_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -6,6 +6,7 @@ the test rounds our exact value the same way.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ from labsupport.estimate.memory import (BYTES_PER_PARAM, activation_bytes_per_la
                                         model_state_bytes, tinygpt_activation_bytes)
 from labsupport.estimate.params import count_params, params_per_layer, rule_of_thumb
 from labsupport.metrics import ActivationMeter
-from labsupport.model import PRESETS, ModelConfig, TinyGPT
+from labsupport.model import PRESETS, ModelConfig, TinyGPT, lm_loss
+
+from conftest import run_cli
 
 GB = 1e9
 
@@ -40,8 +43,9 @@ def test_estimate_imports_no_torch():
 ], ids=lambda c: c.name)
 def test_count_params_is_exact_for_tinygpt(cfg):
     model = TinyGPT(cfg)
-    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert count_params(cfg, padded=True) == sum(p.numel() for p in model.parameters())
+    assert count_params(cfg) == model.num_params() == count_params(cfg, padded=True) - (128 - 65) * cfg.hidden
+    block = sum(p.numel() for p in model.blocks["0"].parameters())
     assert params_per_layer(cfg) == block
 
 
@@ -138,6 +142,28 @@ def test_zero_figure1_exact():
     assert sum(model_state_bytes(7_500_000_000, dp=64, zero=1).values()) == 31_406_250_000
 
 
+# ZeRO Sec 5.1 / Figure 1 per category, bytes per device: Psi = 7.5e9, N_d = 64, 2 + 2 + K bytes, K = 12.
+# Stage 1 (P_os): 2 Psi + 2 Psi + K Psi / N_d; stage 2 (P_os+g): 2 Psi + (2 + K) Psi / N_d;
+# stage 3 (P_os+g+p): (2 + 2 + K) Psi / N_d. Written out, so that a category sharded at the
+# wrong stage fails here even when the total is right: 2 Psi = 15e9, 2 Psi / 64 = 234,375,000,
+# 12 Psi = 90e9, 12 Psi / 64 = 1,406,250,000.
+ZERO_FIGURE1_BYTES = {
+    0: dict(params=15_000_000_000, grads=15_000_000_000, optimizer=90_000_000_000),
+    1: dict(params=15_000_000_000, grads=15_000_000_000, optimizer=1_406_250_000),
+    2: dict(params=15_000_000_000, grads=234_375_000, optimizer=1_406_250_000),
+    3: dict(params=234_375_000, grads=234_375_000, optimizer=1_406_250_000),
+}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_figure1_per_category(zero):
+    expected = ZERO_FIGURE1_BYTES[zero]
+    assert model_state_bytes(7_500_000_000, "mixed", dp=64, zero=zero) == expected
+    est = estimate_memory(n_params=7.5e9, precision="mixed", dp=64, zero=zero)
+    assert {k: est[k] for k in expected} == expected
+    assert est["total"] == sum(expected.values())
+
+
 def test_workshop_model_states_and_the_decks_20x():
     """Model states of the workshop models; the deck's "20x" row disagrees with its own items."""
     assert sum(model_state_bytes(22_000_000_000).values()) == 352 * GB
@@ -182,7 +208,7 @@ def test_estimate_memory_combines_the_parts():
                           recompute="selective")
     n = count_params(cfg)
     assert est["n_params"] == n
-    psi = -(-n // 64)
+    psi = -(-count_params(cfg, padded=True) // 64)  # memory holds the vocabulary padding too
     assert (est["params"], est["grads"], est["optimizer"]) == (2 * psi, 2 * psi, -(-12 * psi // 8))
     sbh = 2048 * 12288
     assert est["activations"] == 96 * 34 * sbh // 8  # first stage: pp micro-batches x L/pp layers
@@ -207,12 +233,42 @@ def test_estimate_memory_from_a_parameter_count():
     (dict(pp=5), "layers"),
     (dict(recompute="some"), "unknown recompute"),
     (dict(dp=0), ">= 1"),
-    (dict(bytes_override=dict(params=2)), "all three"),
+    (dict(bytes_override=dict(params=2)), "missing grads and optimizer"),
+    (dict(bytes_override=dict(params=2, grads=2, optimizer=2.5)), "whole numbers >= 0, got optimizer=2.5"),
+    (dict(bytes_override=dict(params=-2, grads=2, optimizer=12)), "whole numbers >= 0, got params=-2"),
 ])
 def test_estimate_memory_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         estimate_memory(PRESETS["gpt2"], **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_bytes_per_param_accepts_whole_floats():
+    """2.0 is what a command line or a slider hands over; it means 2 bytes, and counts stay integers."""
+    est = estimate_memory(n_params=1000, bytes_override=dict(params=2.0, grads=2, optimizer=12.0))
+    assert (est["params"], est["grads"], est["optimizer"]) == (2000, 2000, 12000)
+    assert all(type(v) is int for v in est.values())
+
+
+def test_cli_memory_with_bytes_per_param():
+    """ZeRO's Figure 1 at stage 2 from the command line, bytes given explicitly ("12.0" too)."""
+    res = run_cli("memory", "--params", "7.5e9", "--param-bytes", "2", "--grad-bytes", "2",
+                  "--optimizer-bytes", "12.0", "--dp", "64", "--zero", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {
+        "n_params": 7_500_000_000, "params": 15_000_000_000, "grads": 234_375_000,
+        "optimizer": 1_406_250_000, "activations": 0, "total": 16_640_625_000}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--param-bytes", "2", "--grad-bytes", "2"], "missing --optimizer-bytes"),
+    (["--grad-bytes", "2"], "missing --param-bytes and --optimizer-bytes"),
+    (["--param-bytes", "2", "--grad-bytes", "2", "--optimizer-bytes", "2.5"], "whole numbers >= 0"),
+])
+def test_cli_memory_bad_bytes_per_param_is_one_line(flags, message):
+    res = run_cli("memory", "--params", "7.5e9", *flags, "--json")
+    assert res.returncode == 2 and res.stdout == ""
+    assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("cfg, micro_batch, dtype", [
@@ -226,7 +282,8 @@ def test_tinygpt_activations_match_the_meter(cfg, micro_batch, dtype):
     model = TinyGPT(cfg).to(dtype)
     x = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq_len))
     y = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq_len))
-    meter = ActivationMeter(model)
-    with meter.measure():
-        model(x, y)
-    assert meter.bytes == tinygpt_activation_bytes(cfg, micro_batch, dtype_bytes=dtype.itemsize)
+    with ActivationMeter().measure() as meter:
+        loss = lm_loss(model(x), y)
+        assert meter.bytes == meter.peak == tinygpt_activation_bytes(cfg, micro_batch, dtype_bytes=dtype.itemsize)
+        loss.backward()
+    assert meter.bytes == 0, "backward frees what the forward saved, and the meter must see it"

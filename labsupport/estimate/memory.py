@@ -7,6 +7,8 @@ parallelism and recomputation shrink. Tensor and pipeline parallelism split both
 """
 from __future__ import annotations
 
+import numbers
+
 from .params import count_params
 
 # Bytes per parameter for Adam (Rajbhandari et al. 2020, "ZeRO", Sec 3.1).
@@ -34,9 +36,18 @@ def _bytes_per_param(precision: str, bytes_override: dict | None) -> dict[str, i
         if precision not in BYTES_PER_PARAM:
             raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(BYTES_PER_PARAM)}")
         return BYTES_PER_PARAM[precision]
-    values = {k: bytes_override.get(k) for k in ("params", "grads", "optimizer")}
-    if any(not isinstance(v, int) or v < 0 for v in values.values()):
-        raise ValueError("bytes per parameter need all three of params, grads and optimizer, as integers >= 0")
+    missing = [k for k in ("params", "grads", "optimizer") if bytes_override.get(k) is None]
+    if missing:
+        raise ValueError(f"bytes per parameter need all three of params, grads and optimizer; "
+                         f"missing {' and '.join(missing)}")
+    values = {}
+    for k in ("params", "grads", "optimizer"):
+        v = bytes_override[k]
+        # Whole bytes keep every count an exact integer (DESIGN.md 4); 2.0, as the command line
+        # or a slider gives it, is 2. Sub-byte formats (4-bit weights) are not modelled.
+        if not (isinstance(v, numbers.Real) and float(v).is_integer() and v >= 0):
+            raise ValueError(f"bytes per parameter must be whole numbers >= 0, got {k}={v!r}")
+        values[k] = int(v)
     return values
 
 
@@ -95,9 +106,10 @@ def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp
                     bytes_override: dict | None = None, n_params: int | None = None) -> dict[str, int]:
     """Bytes per device of a training step: the `labsupport memory` contract (DESIGN.md Sec 4).
 
-    Returns integer bytes: `n_params` (the whole model), and per device `params`, `grads`,
+    Returns integer bytes: `n_params` (the whole model, as published counts give it), and per device `params`, `grads`,
     `optimizer`, `activations`, `total`. Give a model shape `cfg`, or only `n_params`, in which
-    case activations are unknown and reported as 0.
+    case activations are unknown and reported as 0. A shape's model states include the rows
+    that pad its vocabulary to a multiple of 64, as TinyGPT allocates them.
 
     Activations are those of the first pipeline stage, the fullest: under 1F1B it holds pp
     micro-batches in flight, each through L/pp layers, so L layers' worth whatever pp is
@@ -123,11 +135,12 @@ def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp
         if sequence_parallel and cfg.seq_len % tp:
             raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by tp ({tp}) for sequence parallelism")
         n_params = count_params(cfg)
+        held = count_params(cfg, padded=True)  # memory also holds the vocabulary padding
         per_layer = activation_bytes_per_layer(cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, tp,
                                                sequence_parallel, recompute)
         activations = cfg.n_layers * per_layer
     n_params = int(n_params)
-    states = model_state_bytes(n_params, precision, dp, zero, tp * pp, bytes_override)
+    states = model_state_bytes(held if cfg is not None else n_params, precision, dp, zero, tp * pp, bytes_override)
     activations = activations * _bytes_per_param(precision, bytes_override)["params"] // 2
     return {"n_params": n_params, **states, "activations": activations,
             "total": sum(states.values()) + activations}
@@ -145,13 +158,13 @@ def tinygpt_activation_bytes(cfg, micro_batch: int, dtype_bytes: int = 4) -> int
                        logsumexp (N heads, fp32 even for bf16); LayerNorm 2: residual, mean,
                        rstd (N d + 2N); fc: its input (N d); GELU: its input (4 N d);
                        MLP projection: its input (4 N d). In all 16 N d + 4 N floats + N heads fp32.
-      head             final LayerNorm (N d + 2N); LM head input (N d); log-softmax output (N V);
+      head             final LayerNorm (N d + 2N); LM head input (N d); log-softmax output (N V, V padded);
                        the loss's targets (N int64) and its total_weight, a 0-d tensor (one float).
     Unlike Korthikanti's 34 s b h + 5 a s^2 b, no s^2 term: the attention scores are not stored.
     Assumes the ids and targets own their storage (a view into a larger tensor counts it all).
     """
     n, d = micro_batch * cfg.seq_len, cfg.hidden
     per_layer = (16 * n * d + 4 * n) * dtype_bytes + n * cfg.heads * 4
-    head = (2 * n * d + 2 * n + n * cfg.vocab + 1) * dtype_bytes
+    head = (2 * n * d + 2 * n + n * cfg.padded_vocab + 1) * dtype_bytes
     ids = (2 * n + cfg.seq_len) * 8
     return cfg.n_layers * per_layer + head + ids

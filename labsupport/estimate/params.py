@@ -10,7 +10,7 @@ from __future__ import annotations
 def params_per_layer(cfg) -> int:
     """Parameters of one transformer block: 12 d^2 weights plus the vectors.
 
-    Weights: attention 4 d^2 (fused Q, K, V: 3 d^2, output projection: d^2) and MLP 8 d^2
+    Weights: attention 4 d^2 (Q, K, V: 3 d^2 in one matrix, output projection: d^2) and MLP 8 d^2
     (d -> 4d -> d). So one layer is 12 d^2, not the "11 d^2" of the workshop deck.
     Vectors: two LayerNorm weights (2d), and with `cfg.bias` the two LayerNorm biases (2d) and
     the biases of qkv (3d), attention projection (d), fc (4d) and MLP projection (d): 13d in all.
@@ -21,20 +21,24 @@ def params_per_layer(cfg) -> int:
     return 12 * d * d + vectors
 
 
-def count_params(cfg, position_embeddings: bool = True) -> int:
+def count_params(cfg, position_embeddings: bool = True, padded: bool = False) -> int:
     """Exact parameter count of TinyGPT(cfg); the tied LM head shares the token embedding.
 
     Token embedding V d (also the LM head), learned positions s d, L blocks, final LayerNorm.
     `position_embeddings=False` leaves out the s d position table, which takes part in no
     matmul: that is the N of the FLOP count (see `flops.training_flops_per_token`), as in
     nanoGPT's `get_num_params(non_embedding=True)`.
+    V is the vocabulary, as published counts use it (GPT-2: 124,439,808 with V = 50,257);
+    `padded=True` counts the rows the model allocates (V rounded up to a multiple of 64),
+    which is what memory holds.
     """
     if cfg.vocab is None:
         raise ValueError("cfg.vocab is not set: use cfg.with_vocab(vocab_size) first")
     d = cfg.hidden
+    vocab = cfg.padded_vocab if padded else cfg.vocab
     final_norm = 2 * d if cfg.bias else d
     positions = cfg.seq_len * d if position_embeddings else 0
-    return cfg.vocab * d + positions + cfg.n_layers * params_per_layer(cfg) + final_norm
+    return vocab * d + positions + cfg.n_layers * params_per_layer(cfg) + final_norm
 
 
 def rule_of_thumb(cfg) -> int:
