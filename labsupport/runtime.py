@@ -9,9 +9,13 @@ a plain `python script.py` with world size 1 and no process group at all.
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import os
 import random
 import sys
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +69,29 @@ def recommended_nproc() -> int:
 
 
 def pick_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """cuda+nccl when every local rank can have its own GPU, else cpu+gloo (or LABSUPPORT_DEVICE=cpu)."""
-    if os.environ.get("LABSUPPORT_DEVICE") != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+    """This rank's device and backend: its own GPU + nccl when it can have one, else cpu + gloo.
+
+    A rank sees either all of the node's GPUs (torchrun, or srun without binding) and takes
+    the one at its local rank, or exactly one GPU because the launcher bound it
+    (`srun --gpus-per-node=8 --gpu-bind=closest` sets CUDA/ROCR_VISIBLE_DEVICES per task),
+    and then that GPU is cuda:0. GPUs that cannot be shared out one per rank are an error,
+    not a silent run on CPU. LABSUPPORT_DEVICE=cpu forces cpu + gloo.
+    """
+    cpu = torch.device("cpu"), "gloo"
+    if os.environ.get("LABSUPPORT_DEVICE") == "cpu" or not torch.cuda.is_available():
+        return cpu
+    count = torch.cuda.device_count()
+    if count == 0:
+        return cpu
+    if count == 1:  # bound to this rank by the launcher (or a one-GPU machine: run one rank)
+        return torch.device("cuda", 0), "nccl"
+    if count >= local_world_size:
         return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
+    raise RuntimeError(
+        f"this rank sees {count} GPUs but there are {local_world_size} ranks on this node, so they "
+        f"cannot have one GPU each: start one rank per GPU (--nproc {count} / --ntasks-per-node={count}), "
+        "bind one GPU per rank (srun --gpu-bind=closest, or CUDA_VISIBLE_DEVICES), "
+        "or set LABSUPPORT_DEVICE=cpu to run on CPU with gloo")
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -90,8 +113,8 @@ class Runtime:
     """Context manager for one rank: `with init(seed=0) as rt: ...`.
 
     On enter the process group exists (when world size > 1), the device is chosen, threads
-    are set and RNGs seeded; on exit the group is destroyed even if the body raised, so no
-    rank lingers holding sockets.
+    are set and RNGs seeded; on a clean exit the ranks meet at a barrier and the group is
+    destroyed, its threads with it (see _destroy_world).
     """
 
     def __init__(self, seed: int = 0, backend: str | None = None, timeout_s: float = 300,
@@ -124,6 +147,11 @@ class Runtime:
                     f"world size is {self.world_size} ({self.info.launcher}) but MASTER_ADDR is not set: "
                     "launch through torchrun or a labsupport job script")
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+            # Before the group exists, see _destroy_world below: this module's functions take
+            # `group=group.WORLD` as a default argument, evaluated once at import. torch imports
+            # it lazily (the first optimizer imports torch._dynamo, which imports FSDP, which
+            # imports it): after init_process_group, it would pin the world group for good.
+            importlib.import_module("torch.distributed.nn.functional")
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
         seed_everything(self.seed)
@@ -133,7 +161,7 @@ class Runtime:
         # On an error, keep the group open: closing it would make the healthy ranks fail with
         # "connection reset" before this rank's own error is recorded. Process exit closes it.
         if dist.is_initialized() and exc_type is None:
-            dist.destroy_process_group()
+            _destroy_world()
         return False
 
     def print(self, *args, ranks: str | None = None, **kwargs):
@@ -147,6 +175,33 @@ class Runtime:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}) via {self.info.launcher}, "
                 f"{self.device} + {self.backend if self.distributed else 'no process group'}, "
                 f"{torch.get_num_threads()} threads")
+
+
+def _destroy_world() -> None:
+    """Destroy the process group so that its backend's threads are really gone before exit.
+
+    gloo runs collectives on worker threads that belong to the group object. A finished
+    async Work can still be freed on such a thread (a later barrier keeps weak references
+    to it), and freeing it needs the GIL: it holds Python objects (its tensors, the context
+    captured during backward). While the interpreter runs, that is harmless; during
+    interpreter shutdown, the thread is killed inside that destructor and the process aborts
+    with "terminate called without an active exception", after the work succeeded.
+    destroy_process_group() stops the threads only if it drops the last reference to the
+    group. Anything still holding the group keeps them alive into shutdown: the functions
+    of torch.distributed.nn.functional (imported in __enter__ for that reason),
+    ZeroRedundancyOptimizer's and ShardedGradScaler's defaults if a script imports them
+    inside the block, or user code. Once the threads are gone, Work objects the script still
+    holds are freed later by the main thread, which may take the GIL even during shutdown.
+    """
+    dist.barrier()  # no rank tears down while a peer still needs it; all work has finished
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    if world() is not None:
+        gc.collect()  # a reference cycle (a traceback, a closure) may be what holds it
+    if world() is not None:
+        warnings.warn("the process group is still referenced after destroy_process_group(), so its "
+                      "threads live until exit and may abort it; import modules that take "
+                      "group=group.WORLD as a default before labsupport.init()", RuntimeWarning)
 
 
 def init(seed: int = 0, **kwargs) -> Runtime:

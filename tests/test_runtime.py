@@ -28,20 +28,54 @@ def test_slurm_tasks_per_node_with_repeat_count():
     assert runtime.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"}).local_world_size == 4
 
 
+def _gpus(monkeypatch, count):
+    """Pretend this process sees `count` GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.delenv("LABSUPPORT_DEVICE", raising=False)
+
+
 def test_cpu_gets_gloo_and_threads_are_split(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _gpus(monkeypatch, 0)
     assert runtime.pick_device(0, 2) == (torch.device("cpu"), "gloo")
     monkeypatch.setattr(runtime, "_cpu_count", lambda: 8)
     assert runtime.threads_per_rank(4) == 2 and runtime.threads_per_rank(16) == 1
 
 
-def test_gpus_get_nccl_only_if_every_local_rank_has_one(monkeypatch):
+def test_cuda_available_but_no_device_is_cpu(monkeypatch):
+    _gpus(monkeypatch, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert runtime.pick_device(1, 2) == (torch.device("cuda", 1), "nccl")
-    assert runtime.pick_device(1, 4)[1] == "gloo"
+    assert runtime.pick_device(0, 1) == (torch.device("cpu"), "gloo")
+
+
+def test_every_local_rank_gets_its_own_gpu(monkeypatch):
+    _gpus(monkeypatch, 8)
+    assert runtime.pick_device(3, 8) == (torch.device("cuda", 3), "nccl")
+    assert runtime.pick_device(1, 2) == (torch.device("cuda", 1), "nccl")  # more GPUs than ranks
+    assert runtime.pick_device(0, 1) == (torch.device("cuda", 0), "nccl")  # what doctor asks
+
+
+@pytest.mark.parametrize("local_rank, local_world_size", [(0, 1), (5, 8), (7, 8)])
+def test_a_rank_bound_to_one_gpu_uses_it(monkeypatch, local_rank, local_world_size):
+    # srun --ntasks-per-node=8 --gpus-per-node=8 --gpu-bind=closest: each task sees one GPU
+    _gpus(monkeypatch, 1)
+    assert runtime.pick_device(local_rank, local_world_size) == (torch.device("cuda", 0), "nccl")
+
+
+def test_gpus_that_cannot_go_one_per_rank_are_an_error(monkeypatch):
+    _gpus(monkeypatch, 2)
+    with pytest.raises(RuntimeError) as e:
+        runtime.pick_device(3, 4)
+    msg = str(e.value)
+    assert "\n" not in msg and "2 GPUs" in msg and "4 ranks" in msg
+    assert "--nproc 2" in msg and "--ntasks-per-node=2" in msg and "LABSUPPORT_DEVICE=cpu" in msg
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 8])
+def test_labsupport_device_cpu_forces_cpu(monkeypatch, count):
+    _gpus(monkeypatch, count)
     monkeypatch.setenv("LABSUPPORT_DEVICE", "cpu")
-    assert runtime.pick_device(0, 1)[1] == "gloo"
+    assert runtime.pick_device(0, 4) == (torch.device("cpu"), "gloo")
 
 
 def test_single_process_needs_no_process_group():
