@@ -1,6 +1,8 @@
 """Checkpoints that survive a crash at any moment and resume bit-identically.
 
-Layout: `DIR/step000040/rank0.pt ... rank{N-1}.pt` plus `DIR/step000040/COMPLETE`.
+Layout: `DIR/step000040/rank0.pt ... rank{N-1}.pt`, `layout.json` (the strategy and rank grid
+that wrote them, so a resume on another layout is refused before any rank starts) and
+`DIR/step000040/COMPLETE`.
 Each file is written to a temporary name and renamed (atomic on POSIX), and rank 0 writes
 COMPLETE only after every rank has renamed its file; a checkpoint without COMPLETE is
 ignored. So a run killed mid-save resumes from the previous complete step. Files hold only
@@ -8,6 +10,7 @@ tensors and plain containers, so they load with `weights_only=True` (no pickle c
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 COMPLETE = "COMPLETE"
+LAYOUT = "layout.json"
 
 
 def step_dir(root, step: int) -> Path:
@@ -44,17 +48,29 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root, step: int, rank: int, state: dict, barrier) -> Path:
-    """Every rank saves its part; after `barrier()` rank 0 marks the step complete."""
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(root, step: int, rank: int, state: dict, barrier, layout: dict | None = None) -> Path:
+    """Every rank saves its part; after `barrier()` rank 0 records the layout and marks the step complete."""
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     atomic_save(state, d / f"rank{rank}.pt")
     barrier()
     if rank == 0:
-        tmp = d / f".{COMPLETE}.tmp"
-        tmp.write_text(str(step))
-        os.replace(tmp, d / COMPLETE)
+        if layout is not None:
+            _atomic_write_text(d / LAYOUT, json.dumps(layout, sort_keys=True))
+        _atomic_write_text(d / COMPLETE, str(step))
     return d
+
+
+def layout(root, step: int) -> dict | None:
+    """The strategy and grid that wrote checkpoint `step` (None if it recorded none)."""
+    path = step_dir(root, step) / LAYOUT
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def latest(root) -> int | None:

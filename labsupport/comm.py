@@ -17,6 +17,7 @@ torch.distributed and reductions are named by strings: "sum", "avg", "max", "min
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -68,7 +69,7 @@ class CommStats:
 
 
 STATS = CommStats()
-_GROUP_NAMES: dict = {}
+_GROUP_NAMES = weakref.WeakKeyDictionary()  # weak: a name must not keep a destroyed group's threads alive
 
 
 def reset():
@@ -76,7 +77,13 @@ def reset():
 
 
 def counts() -> dict:
+    """{op: {calls, payload_bytes, wire_bytes}} since the last reset, all groups together."""
     return STATS.by_op()
+
+
+def group_counts() -> dict:
+    """{group name: {op: {calls, payload_bytes, wire_bytes}}}: the same calls split by group (dp, tp, pp, world)."""
+    return STATS.by_group()
 
 
 @contextmanager
@@ -89,6 +96,24 @@ def timing(enabled: bool = True):
         STATS.timing = old
 
 
+@contextmanager
+def phase(name: str):
+    """Mark a stretch of this rank's work (forward, backward, ...) on the timeline.
+
+    Any code can open one (the loop, a pipeline schedule, a ZeRO hook); it records an event
+    only while `timing` is on, so it costs nothing otherwise.
+    """
+    if not STATS.timing:
+        yield
+        return
+    event = {"op": name, "start": now()}
+    STATS.events.append(event)
+    try:
+        yield
+    finally:
+        event["end"] = now()
+
+
 def now() -> float:
     """Seconds since this process's comm clock started (the timeline's time axis)."""
     return time.perf_counter() - STATS._t0
@@ -99,12 +124,15 @@ def now() -> float:
 def new_group(ranks, name: str):
     """A process group with a name the counters can show (every rank must call this)."""
     group = dist.new_group(ranks=list(ranks))
-    _GROUP_NAMES[group] = name
+    if isinstance(group, dist.ProcessGroup):  # non-members get a placeholder, not a group
+        _GROUP_NAMES[group] = name
     return group
 
 
 def group_name(group) -> str:
-    return "world" if group is None else _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
 
 
 def get_rank(group=None) -> int:
@@ -113,6 +141,18 @@ def get_rank(group=None) -> int:
 
 def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The world rank of the member `group_rank` of `group` (None: the world)."""
+    return group_rank if group is None or not dist.is_initialized() else dist.get_global_rank(group, group_rank)
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """torch's DeviceMesh over the world (for the torch references). Its process groups are
+    torch's own: traffic on them is not counted here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 # ---------------------------------------------------------------- the recording wrapper

@@ -43,28 +43,70 @@ def optimizer_bytes(optimizer) -> int:
                         if torch.is_tensor(v))
 
 
-class ActivationMeter:
-    """Bytes autograd saves for backward, excluding parameters (those are counted already).
+class _Saved:
+    """What autograd keeps instead of a saved tensor while a meter runs: the tensor, and a
+    note to the meter when autograd lets go of it (after its backward)."""
 
-    Uses `torch.autograd.graph.saved_tensors_hooks`: every tensor a forward op keeps for
-    its backward passes through `pack`, so the sum is exactly what the forward pass pins.
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Bytes autograd holds for backward: live now (`bytes`) and at most (`peak`).
+
+    Uses `torch.autograd.graph.saved_tensors_hooks`: every tensor a forward op keeps for its
+    backward passes through `pack` and is counted (once per storage); when backward frees it,
+    it leaves the count. So over several micro-batches `peak` is what was in flight at once:
+    one micro-batch's worth when each backward follows its forward, m of them under a
+    pipeline's all-forward-all-backward schedule.
+
+    Parameters are not activations: a saved tensor that is a parameter or a view of one is
+    left out, whatever storage the parameter has at that moment (a ZeRO-3 parameter gathered
+    just for this layer is still the parameter). Under autocast the low-precision copies of
+    the weights that matmuls keep are counted: they are made per forward, like activations.
     """
 
-    def __init__(self, model=None):
-        self._exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
-        self._seen = set()
+    def __init__(self):
+        self._live: dict = {}  # storage key -> [bytes, saved tensors using it]
         self.bytes = 0
+        self.peak = 0
+
+    @staticmethod
+    def _is_parameter(t) -> bool:
+        """A parameter, or a view of one (a linear layer saves its weight transposed)."""
+        return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
     def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._exclude and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
+        if self._is_parameter(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.device)
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
+            self.bytes += entry[0]
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+        return _Saved(t, self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key):
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self._live[key]
 
     @contextmanager
     def measure(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
 

@@ -6,6 +6,11 @@ for one process. The global batch (`--global-batch` sequences per optimizer step
 whatever the world size, so every strategy can be compared with `single` step by step:
 
     global batch = micro-batch x accumulation steps x data-parallel ranks
+
+A step is the same five moves for every strategy (`train_step`): forward and backward over
+the micro-batches, finish the gradients, clip them by their global norm, the optimizer step,
+and the step's loss. How each move is done is the strategy's business (ARCHITECTURE.md);
+memory, tracing, evaluation, sampling and checkpoints are separate functions around it.
 """
 from __future__ import annotations
 
@@ -15,17 +20,18 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 
 from . import checkpoint, comm, runtime
+from .data import BatchSampler, CharTokenizer, Corpus, DataError, load_text, micro_batches
+from .estimate.params import count_params
 from .launch import make_run_dir
-from .data import BatchSampler, Corpus, DataError, load_text, micro_batches
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
-from .model import DEFAULT_PRESET, PRESETS, TinyGPT, get_preset
-from .parallel import make_strategy, strategy_names
+from .model import DEFAULT_PRESET, PRESETS, ModelConfig, TinyGPT, generate, get_preset
+from .parallel import ConfigError, ParallelConfig, make_strategy, strategy_names
+from .parallel.config import DDP_MODES, SCHEDULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--sample-chars", type=int, default=200, help="characters generated at the end (0: none)")
     p.add_argument("--log-every", type=int, default=0, help="progress line every K steps (0: ten lines per run)")
-    p.add_argument("--ddp-mode", choices=["naive", "flat", "bucketed"], default="bucketed",
-                   help="ddp: how gradients are all-reduced")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what tp x pp leave)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--sequence-parallel", action="store_true", help="tensor parallel: shard LayerNorm/dropout regions")
+    p.add_argument("--ddp-mode", choices=DDP_MODES, default="bucketed", help="ddp: how gradients are all-reduced")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="ddp/torch-ddp: allow parameters that get a gradient on some ranks only")
@@ -61,37 +74,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args, world_size: int) -> None:
-    """Refuse bad arguments with one clear line, before any rank starts."""
-    if args.strategy not in strategy_names():
-        raise ValueError(f"unknown strategy {args.strategy!r}; available: {', '.join(strategy_names())}")
+def parallel_config(args, world_size: int) -> ParallelConfig:
+    """The run's parallel configuration from the command line: strategies read this, never `args`."""
+    return ParallelConfig.build(
+        world_size, strategy=args.strategy, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+        schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
+        sequence_parallel=args.sequence_parallel, ddp_mode=args.ddp_mode, bucket_mb=args.bucket_mb,
+        find_unused_parameters=args.find_unused_parameters)
+
+
+def model_config(args, vocab: int) -> ModelConfig:
+    preset = get_preset(args.model)
+    return replace(preset, vocab=vocab, seq_len=args.seq_len or preset.seq_len, dropout=args.dropout)
+
+
+def layout(config: ParallelConfig, world_size: int) -> dict:
+    """What a checkpoint records about the run that wrote it, and a resume must match."""
+    return {**config.layout(), "world_size": world_size}
+
+
+def check_resume(checkpoint_dir, expected: dict) -> None:
+    """Refuse to resume a checkpoint written with another strategy or rank grid."""
+    step = checkpoint.latest(checkpoint_dir)
+    saved = checkpoint.layout(checkpoint_dir, step) if step is not None else None
+    if saved is not None and saved != expected:
+        def say(lay):
+            return (f"{lay['strategy']} on {lay['world_size']} rank(s) (dp {lay['dp']}, tp {lay['tp']}, "
+                    f"pp {lay['pp']}, zero {lay['zero']})")
+        raise ValueError(f"the checkpoint at step {step} in {checkpoint_dir} was written by {say(saved)}, "
+                         f"this run is {say(expected)}; resume with the same layout or use a new --checkpoint-dir")
+
+
+def validate(args, world_size: int) -> ParallelConfig:
+    """Refuse bad arguments before any rank starts: one line per mistake (ConfigError) or one DataError."""
     cfg = get_preset(args.model)
     if cfg.vocab is not None:
         raise ValueError(f"preset {args.model!r} is an analysis shape ({cfg.n_layers} layers, hidden {cfg.hidden}); "
                          f"train one of the CPU presets: nano, micro, mini")
-    if args.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb:g}")
-    if args.strategy == "single" and world_size != 1:
-        raise ValueError(f"strategy 'single' runs on one rank; use --nproc 1 (got {world_size})")
+    problems = []
     for name in ("steps", "global_batch"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    dp = world_size  # later strategies divide the world into dp x tp x pp
-    micro = args.micro_batch or args.global_batch // dp
-    if args.global_batch % dp or micro < 1 or (args.global_batch // dp) % micro:
-        raise ValueError(f"--global-batch {args.global_batch} must be divisible by micro-batch x data-parallel ranks "
-                         f"({args.micro_batch or 'auto'} x {dp})")
-    if args.seq_len is not None and not 1 <= args.seq_len:
-        raise ValueError("--seq-len must be >= 1")
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seq_len is not None and args.seq_len < 1:
+        problems.append("--seq-len must be >= 1")
     if args.checkpoint_every and not args.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+        problems.append("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir")
+        problems.append("--resume needs --checkpoint-dir")
     if args.checkpoint_every < 0 or args.eval_every < 0:
-        raise ValueError("--checkpoint-every and --eval-every must be >= 0")
+        problems.append("--checkpoint-every and --eval-every must be >= 0")
     if not 0 <= args.dropout < 1:
-        raise ValueError("--dropout must be in [0, 1)")
-    load_text(args.data)  # DataError for a missing, empty or undecodable file
+        problems.append("--dropout must be in [0, 1)")
+    if problems:
+        raise ConfigError(problems)
+    vocab = CharTokenizer.from_text(load_text(args.data)).vocab_size  # DataError for a bad file
+    config = parallel_config(args, world_size)
+    config.check(world_size, model_config(args, vocab), args.global_batch, args.micro_batch)
+    if args.resume:
+        check_resume(args.checkpoint_dir, layout(config, world_size))
+    return config
 
 
 def lr_at(step: int, args) -> float:
@@ -104,53 +145,79 @@ def lr_at(step: int, args) -> float:
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-@torch.no_grad()
-def evaluate(model, data, cfg, args, device) -> float:
-    """Mean loss over fixed validation batches (the same batches every time and on every rank)."""
-    model.eval()
-    sampler = BatchSampler(data, cfg.seq_len, args.global_batch, seed=args.seed + 1)
-    losses = []
-    for i in range(args.eval_batches):
-        x, y = sampler.global_batch(i)
-        losses.append(model(x.to(device), y.to(device)).item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def train_step(model, strategy, optimizer, batches, grad_clip, autocast, device, trace=None):
-    """One optimizer step over this rank's micro-batches; returns (mean loss, measured stats).
-
-    Gradients of all micro-batches but the last accumulate locally (`no_sync`); the strategy
-    makes them global in `finish_backward`. With `trace` (a list), compute phases are
-    appended as timeline events beside comm's.
-    """
-    def phase(name, t0):
-        if trace is not None:
-            trace.append({"op": name, "start": t0, "end": comm.now()})
-
-    loss_sum, activations = 0.0, 0
-    for i, (xb, yb) in enumerate(batches):
-        meter = ActivationMeter(model)
-        with strategy.no_sync() if i < len(batches) - 1 else nullcontext():
-            t0 = comm.now()
-            with meter.measure(), autocast:
-                loss = model(xb.to(device), yb.to(device))
-            phase("forward", t0)
-            t0 = comm.now()
-            strategy.backward(loss / len(batches))
-            phase("backward", t0)
-        loss_sum += loss.item()
-        activations = max(activations, meter.bytes)
-    t0 = comm.now()
-    strategy.finish_backward(model)
-    phase("finish_backward", t0)
-    grad_norm = strategy.clip_grad_norm_(model, grad_clip)
-    grads = grad_bytes(model)
-    t0 = comm.now()
-    optimizer.step()
+def train_step(strategy, model, optimizer, batches, grad_clip: float, autocast=None):
+    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, global grad norm)."""
     optimizer.zero_grad(set_to_none=True)
-    phase("optimizer", t0)
-    return loss_sum / len(batches), {"activations": activations, "grads": grads, "grad_norm": grad_norm}
+    loss = strategy.forward_backward(model, batches, autocast)
+    with comm.phase("finish_backward"):
+        strategy.finish_backward(model)
+    grad_norm = strategy.clip_grad_norm_(model, grad_clip)
+    with comm.phase("optimizer"):
+        optimizer.step()
+    return loss, grad_norm
+
+
+class MemoryPeaks:
+    """Each category's peak over the run, measured from the tensors (the `memory` JSON key)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.peaks = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "peak": 0}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def update(self, model, optimizer, activations: int) -> dict:
+        """After a step: gradients are still there (they are cleared at the next step's start)."""
+        now = {"params": param_bytes(model), "grads": grad_bytes(model), "optimizer": optimizer_bytes(optimizer),
+               "activations": activations}
+        for key, value in now.items():
+            self.peaks[key] = max(self.peaks[key], value)
+        self.peaks["peak"] = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                              else max(self.peaks["peak"], sum(now.values())))
+        return dict(self.peaks)
+
+
+def evaluate(strategy, model, data, cfg, args, device) -> float:
+    """Mean loss over fixed validation batches, each data-parallel rank taking its share."""
+    sampler = BatchSampler(data, cfg.seq_len, args.global_batch, seed=args.seed + 1)
+    dp_rank, dp_size = strategy.data_rank()
+    model.eval()
+    losses = [strategy.evaluate_loss(model, x.to(device), y.to(device))
+              for x, y in (sampler.local_batch(i, dp_rank, dp_size) for i in range(args.eval_batches))]
+    model.train()
+    return strategy.reduce_loss(torch.stack(losses).mean())
+
+
+def sample(strategy, model, corpus, cfg, n_chars: int, seed: int, device) -> str:
+    """Text generated from one real character of the validation text; every rank takes part."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    prompt = corpus.val[:1].unsqueeze(0).to(device)
+    model.eval()
+    ids = generate(lambda idx: strategy.logits(model, idx), prompt, n_chars, cfg.seq_len, 0.8, gen)
+    model.train()
+    return corpus.tokenizer.decode(ids[0, 1:])
+
+
+def save_checkpoint(args, rt, strategy, model, optimizer, step, history, run_layout) -> None:
+    checkpoint.save(args.checkpoint_dir, step, rt.rank, {
+        "model": strategy.model_state(model), "optimizer": strategy.optimizer_state(optimizer),
+        "rng": checkpoint.rng_state(), "step": step,
+        **{key: torch.tensor(values, dtype=torch.float64) for key, values in history.items()}},
+        barrier=lambda: comm.barrier() if rt.distributed else None, layout=run_layout)
+
+
+def resume(args, rt, strategy, model, optimizer, run_layout) -> tuple[int, dict]:
+    """Load the latest complete checkpoint, if any: (its step, the losses and norms so far)."""
+    step = checkpoint.latest(args.checkpoint_dir) if args.resume else None
+    if step is None:
+        return 0, {"losses": [], "grad_norms": []}
+    check_resume(args.checkpoint_dir, run_layout)
+    state = checkpoint.load(args.checkpoint_dir, step, rt.rank)
+    strategy.load_model_state(model, state["model"])
+    strategy.load_optimizer_state(optimizer, state["optimizer"])
+    checkpoint.set_rng_state(state["rng"])
+    rt.print(f"resumed from step {step} in {args.checkpoint_dir}")
+    return step, {key: state[key].tolist() for key in ("losses", "grad_norms")}
 
 
 def write_trace(path, rank, step, events) -> None:
@@ -160,119 +227,88 @@ def write_trace(path, rank, step, events) -> None:
 
 
 def train(args, rt) -> dict:
-    """Train on this rank; return what it measured (rank 0's dict also has losses and the sample)."""
+    """Train on this rank; return what it measured (losses and norms are global, the same on every rank)."""
     corpus = Corpus.load(args.data)
-    preset = get_preset(args.model)
-    cfg = replace(preset, vocab=corpus.tokenizer.vocab_size, seq_len=args.seq_len or preset.seq_len,
-                  dropout=args.dropout)
-
+    cfg = model_config(args, corpus.tokenizer.vocab_size)
+    config = parallel_config(args, rt.world_size)
+    strategy = make_strategy(rt, config)
     torch.manual_seed(args.seed)
-    model = TinyGPT(cfg)
-    n_params = model.num_params()
-    strategy = make_strategy(args.strategy, rt, args)
-    model = strategy.setup(model)
+    model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
     dp_rank, dp_size = strategy.data_rank()
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
     micro = args.micro_batch or args.global_batch // dp_size
-    accum = args.global_batch // (dp_size * micro)
-    autocast = (torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext())
+    autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
     metrics_log = JsonlWriter(os.path.join(run_dir, f"metrics-rank{rt.rank}.jsonl"))
     peak_flops, peak_source = device_peak(rt.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    memory = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "peak": 0}
-    local_losses: list[float] = []
-    start_step = 0
-    if args.resume and checkpoint.latest(args.checkpoint_dir) is not None:
-        start_step = checkpoint.latest(args.checkpoint_dir)
-        state = checkpoint.load(args.checkpoint_dir, start_step, rt.rank)
-        if state["world_size"] != rt.world_size or state["strategy"] != args.strategy:
-            raise ValueError(f"checkpoint at step {start_step} was written by {state['strategy']} on "
-                             f"{state['world_size']} ranks; resume with the same --strategy and --nproc")
-        strategy.load_model_state(model, state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        checkpoint.set_rng_state(state["rng"])
-        local_losses = state["local_losses"].tolist()
-        rt.print(f"resumed from step {start_step} in {args.checkpoint_dir}")
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
+    memory = MemoryPeaks(rt.device)
+    run_layout = layout(config, rt.world_size)
+    start_step, history = resume(args, rt, strategy, model, optimizer, run_layout)
 
     log_every = args.log_every or max(1, args.steps // 10)
     tokens_per_step = args.global_batch * cfg.seq_len
-    step_times, last_comm, val_losses = [], {}, []
-    rt.print(f"training {cfg.name}: {n_params:,} parameters, {args.strategy} on {rt.world_size} rank(s), "
-             f"global batch {args.global_batch} = {micro} x {accum} accumulation x {dp_size} ranks, "
-             f"{args.steps} steps from step {start_step}")
+    step_times, val_losses = [], []
+    rt.print(f"training {cfg.name}: {count_params(cfg):,} parameters, {args.strategy} on {rt.world_size} rank(s), "
+             f"global batch {args.global_batch} = {micro} x {args.global_batch // (dp_size * micro)} accumulation x "
+             f"{dp_size} data-parallel ranks, {args.steps} steps from step {start_step}")
     for step in range(start_step, args.steps):
-        t0 = time.perf_counter()
-        comm.reset()
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = sampler.local_batch(step, dp_rank, dp_size)
+        batches = [(xb.to(rt.device), yb.to(rt.device)) for xb, yb in micro_batches(x, y, micro)]
         last = step == args.steps - 1
-        with comm.timing(last) as events:  # the last step is recorded as a timeline
-            loss, stats = train_step(model, strategy, optimizer, micro_batches(x, y, micro), args.grad_clip,
-                                     autocast, rt.device, trace=events if last else None)
+        comm.reset()
+        t0 = time.perf_counter()
+        with comm.timing(last) as events, ActivationMeter().measure() as meter:  # the last step is traced
+            loss, grad_norm = train_step(strategy, model, optimizer, batches, args.grad_clip, autocast)
+        dt = time.perf_counter() - t0
+        step_comm, step_groups = comm.counts(), comm.group_counts()  # the step's traffic, before bookkeeping
+        history["losses"].append(strategy.reduce_loss(loss))
+        history["grad_norms"].append(grad_norm)
+        step_times.append(dt)
+        peaks = memory.update(model, optimizer, meter.peak)
         if last:
             write_trace(os.path.join(run_dir, f"trace-rank{rt.rank}.json"), rt.rank, step, events)
-        memory["activations"] = max(memory["activations"], stats["activations"])
-        memory["grads"] = max(memory["grads"], stats["grads"])
-        grad_norm = stats["grad_norm"]
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        local_losses.append(loss)
-        memory["params"] = max(memory["params"], param_bytes(model))
-        memory["optimizer"] = max(memory["optimizer"], optimizer_bytes(optimizer))
-        memory["peak"] = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda"
-                          else max(memory["peak"], sum(memory[k] for k in ("params", "grads", "optimizer", "activations"))))
-        last_comm = comm.counts()
-        record = {"step": step, "loss": local_losses[-1], "lr": lr, "grad_norm": grad_norm, "step_s": dt,
+        record = {"step": step, "loss": history["losses"][-1], "lr": lr, "grad_norm": grad_norm, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": mfu(tokens_per_step / dt / rt.world_size, cfg, peak_flops),
-                  "memory": dict(memory), "comm": last_comm}
+                  "memory": peaks, "comm": step_comm}
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            val_losses.append([done, evaluate(strategy.module(model), corpus.val, cfg, args, rt.device)])
+            val_losses.append([done, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
             record["val_loss"] = val_losses[-1][1]
         metrics_log.write(record)
         if done % log_every == 0 or done == args.steps:
             bar = "#" * (20 * done // args.steps)
-            rt.print(f"step {done:>{len(str(args.steps))}}/{args.steps} [{bar:<20}] loss {local_losses[-1]:.4f} "
+            rt.print(f"step {done:>{len(str(args.steps))}}/{args.steps} [{bar:<20}] loss {history['losses'][-1]:.4f} "
                      f"lr {lr:.2e} {tokens_per_step / dt:,.0f} tok/s")
         if args.checkpoint_every and done % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint_dir, done, rt.rank, {
-                "model": strategy.model_state(model), "optimizer": optimizer.state_dict(),
-                "rng": checkpoint.rng_state(), "local_losses": torch.tensor(local_losses, dtype=torch.float64),
-                "world_size": rt.world_size, "strategy": args.strategy, "step": done},
-                barrier=lambda: comm.barrier() if rt.distributed else None)
+            save_checkpoint(args, rt, strategy, model, optimizer, done, history, run_layout)
     metrics_log.close()
 
-    # The loss of a step is the mean over the global batch: average the data-parallel ranks' means.
-    losses = torch.tensor(local_losses, dtype=torch.float64)
-    if rt.distributed:
-        comm.all_reduce(losses, "avg", group=strategy.dp_group())
     # On a CPU the "peak" is measured; measure again now and keep the better one, so a busy
     # moment at start-up cannot make MFU exceed 100%.
     if rt.device.type == "cpu":
         peak_flops = max(peak_flops, device_peak(rt.device, torch.float32)[0])
     timed = step_times[1:] or step_times  # the first step pays for warm-up
     tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
-    result = {"rank": rt.rank, "memory": memory, "comm": last_comm, "losses": losses.tolist(),
+    result = {"rank": rt.rank, "memory": memory.peaks, "comm": step_comm if step_times else {},
+              "comm_groups": step_groups if step_times else {}, **history,
               "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s / rt.world_size, cfg, peak_flops),
-              "peak_flops": peak_flops, "peak_flops_source": peak_source, "n_params": n_params,
+              "peak_flops": peak_flops, "peak_flops_source": peak_source, "n_params": count_params(cfg),
               "model": {k: v for k, v in cfg.to_dict().items() if k in ("name", "n_layers", "hidden", "heads", "vocab", "seq_len")},
-              "steps": args.steps, "resumed_from": start_step,
+              "parallel": config.to_dict(), "steps": args.steps, "resumed_from": start_step,
               "step_s_median": sorted(timed)[len(timed) // 2] if timed else None}
     if args.eval_batches:
-        val_losses.append([args.steps, evaluate(strategy.module(model), corpus.val, cfg, args, rt.device)])
+        val_losses.append([args.steps, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
     result["val_losses"] = val_losses
-    if rt.rank == 0 and args.sample_chars:
-        gen = torch.Generator(device=rt.device).manual_seed(args.seed)
-        prompt = corpus.val[:1].unsqueeze(0).to(rt.device)  # one real character of the text
-        net = strategy.module(model)
-        net.eval()
-        result["sample"] = corpus.tokenizer.decode(net.generate(prompt, args.sample_chars, 0.8, gen)[0, 1:])
+    if args.sample_chars:
+        text = sample(strategy, model, corpus, cfg, args.sample_chars, args.seed, rt.device)
+        if rt.rank == 0:
+            result["sample"] = text
+    strategy.close(model)
     return result
 
 
@@ -297,18 +333,19 @@ def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None
     from .launch import launch
     argv = to_argv(**options)
     args = build_parser().parse_args(argv)
-    validate(args, nproc)
+    config = validate(args, nproc)
     res = launch("-m", "labsupport.train", *argv, nproc=nproc, timeout=timeout, ranks=ranks, out=out,
                  run_dir=args.run_dir, name=f"train-{args.strategy}")
     reports = [res.report(r) for r in range(nproc)]
     r0 = reports[0]
-    summary = {key: r0[key] for key in ("model", "n_params", "losses", "val_losses", "tokens_per_s", "mfu",
-                                        "peak_flops", "peak_flops_source", "steps", "resumed_from",
-                                        "step_s_median")}
+    summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
+                                        "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",
+                                        "step_s_median", "parallel")}
     summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
-                   global_batch=args.global_batch, micro_batch=args.micro_batch or args.global_batch // nproc,
+                   global_batch=args.global_batch, micro_batch=args.micro_batch or args.global_batch // config.dp,
                    memory=[r["memory"] for r in reports], comm=[r["comm"] for r in reports],
-                   duration_s=res.duration_s, run_dir=str(res.run_dir))
+                   comm_groups=[r["comm_groups"] for r in reports], duration_s=res.duration_s,
+                   run_dir=str(res.run_dir))
     return summary
 
 
@@ -319,7 +356,8 @@ def main(argv=None) -> int:
         validate(args, info.world_size)
     except (ValueError, DataError) as e:
         if info.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            for line in str(e).splitlines():
+                print(f"error: {line}", file=sys.stderr)
         return 2
     with runtime.init(seed=args.seed) as rt:
         result = train(args, rt)

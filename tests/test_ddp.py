@@ -1,6 +1,7 @@
 """Data parallelism is proven by equivalence: same global batch and seed, same losses and parameters as `single`."""
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +16,15 @@ pytestmark = pytest.mark.multiprocess
 
 TRAPS = textwrap.dedent('''
     """Each rank trains a DataParallel replica on its shard and, beside it, the single-device
-    reference on the whole global batch; parameters must agree after every step."""
-    import sys
-    from types import SimpleNamespace
+    reference on the whole global batch; after the sync and before the optimizer step the
+    gradients must agree (under AdamW the losses could not see a gradient scaled by a
+    constant), and after the step the parameters."""
+    import sys, warnings
+    from contextlib import nullcontext
     import torch, torch.nn as nn, torch.nn.functional as F
     from labsupport import init, report
     from labsupport.parallel.ddp import DataParallel
+    from labsupport.parallel.strategy import adamw
 
     class Trap(nn.Module):
         """Tied embedding/head, a frozen layer, a layer used only on even steps (all ranks alike),
@@ -45,16 +49,13 @@ TRAPS = textwrap.dedent('''
 
     mode, accum, find_unused = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "find-unused"
     failures = []
-    with init(seed=0) as rt:
+    with init(seed=0) as rt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         torch.manual_seed(rt.rank)  # different init per rank: the broadcast must fix it
-        ddp_model = Trap()
-        args = SimpleNamespace(ddp_mode=mode, bucket_mb=0.0005, find_unused_parameters=find_unused)  # ~4 buckets
-        strategy = DataParallel(rt, args)
-        ddp_model = strategy.setup(ddp_model)
+        ddp = DataParallel(Trap(), mode=mode, bucket_mb=0.0005, find_unused_parameters=find_unused)  # ~4 buckets
         torch.manual_seed(0)
         reference = Trap()
-        ref_opt = strategy.make_optimizer(reference, 1e-2, 0.1)  # the same AdamW recipe
-        opt = strategy.make_optimizer(ddp_model, 1e-2, 0.1)
+        ref_opt, opt = adamw(reference, 1e-2, 0.1), adamw(ddp, 1e-2, 0.1)  # the loop's AdamW recipe, for both
         n, per = rt.world_size, 2 * accum
         data = torch.Generator().manual_seed(1)
         for step in range(6):
@@ -62,19 +63,24 @@ TRAPS = textwrap.dedent('''
             x[torch.randint(0, n * per, (1,), generator=data), 0] = 0  # token 0 in one sequence only
             y = torch.randint(0, 16, (n * per, 5), generator=data)
             reference(x, y, step).backward()  # the reference sees the whole global batch
-            ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
             mine = slice(rt.rank * per, (rt.rank + 1) * per)
             xs, ys = x[mine].chunk(accum), y[mine].chunk(accum)
             for i in range(accum):
-                ctx = strategy.no_sync() if i < accum - 1 else torch.enable_grad()
-                with ctx:
-                    strategy.backward(ddp_model(xs[i], ys[i], step) / accum)
-            strategy.finish_backward(ddp_model)
+                with ddp.no_sync() if i < accum - 1 else nullcontext():
+                    (ddp(xs[i], ys[i], step) / accum).backward()  # plain backward: no strategy call
+            ddp.finish_gradient_synchronization()
+            for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
+                if (a.grad is None) != (b.grad is None):
+                    failures.append(f"step {step}: {name} has a gradient on one side only")
+                elif a.grad is not None and not torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5):
+                    failures.append(f"step {step}: grad of {name} differs by {(a.grad - b.grad).abs().max().item():.2e}")
+            ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
             opt.step(); opt.zero_grad(set_to_none=True)
-            for (name, a), b in zip(reference.named_parameters(), ddp_model.parameters()):
+            for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
                 if not torch.allclose(a, b, atol=1e-6, rtol=1e-5):
                     failures.append(f"step {step}: {name} differs by {(a - b).abs().max().item():.2e}")
-        report(failures=failures, frozen_untouched=bool(torch.equal(ddp_model.frozen.weight, reference.frozen.weight)))
+        report(failures=failures, frozen_untouched=bool(torch.equal(ddp.module.frozen.weight, reference.frozen.weight)),
+               warnings=[str(w.message) for w in caught if "DataParallel" in str(w.message)])
 ''')
 
 
@@ -92,18 +98,129 @@ def test_trap_model_matches_single_device_every_step(tmp_path, nproc, mode, accu
     for rank in range(nproc):
         assert res.report(rank)["failures"] == []
         assert res.report(rank)["frozen_untouched"]
+    stalled = res.report(0)["warnings"]
+    if mode == "bucketed" and not find_unused:  # branch is never used: its bucket held back the later ones
+        assert len(stalled) == 1 and "branch.weight" in stalled[0] and "without overlap" in stalled[0], stalled
+    else:
+        assert stalled == []
+
+
+def test_planted_sum_instead_of_average_is_caught_by_the_gradients(tmp_path):
+    """Summing gradients (forgetting to divide by the world size) leaves AdamW's steps almost
+    unchanged; the gradient comparison must catch it."""
+    script = tmp_path / "traps.py"
+    script.write_text(TRAPS.replace("from labsupport.parallel.ddp import DataParallel", textwrap.dedent("""
+        from labsupport.parallel import ddp as _ddp
+        from labsupport import comm as _comm
+        class _SumBucket(_ddp.Bucket):
+            def launch(self):
+                for p, view in self._views():
+                    view.copy_(p.grad.view(-1)) if p.grad is not None else view.zero_()
+                self.work = _comm.all_reduce(self.buffer, "sum", group=self.group, async_op=True)
+        _ddp.Bucket = _SumBucket
+        DataParallel = _ddp.DataParallel""")))
+    res = launch(str(script), "bucketed", 1, "find-unused", nproc=2, timeout=120, run_dir=tmp_path / "run")
+    failures = res.report(0)["failures"]
+    assert any(f.startswith("step 0: grad of") for f in failures), failures
+
+
+SUBGROUPS = textwrap.dedent("""
+    import torch, torch.nn as nn, torch.nn.functional as F
+    from labsupport import comm, init, report
+    from labsupport.parallel.ddp import DataParallel
+
+    def net():
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    with init() as rt:
+        groups = [comm.new_group([0, 1], name="dp"), comm.new_group([2, 3], name="dp")]
+        index = rt.rank // 2
+        torch.manual_seed(100 + rt.rank)  # every rank its own initial weights
+        ddp = DataParallel(net(), groups[index], bucket_mb=0.0002)
+        torch.manual_seed(100 + 2 * index)  # the group's first rank's weights, which the broadcast gave all
+        reference = net()
+        started_equal = all(torch.equal(a, b) for a, b in zip(reference.parameters(), ddp.module.parameters()))
+        opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(index)  # each group trains on its own data
+        losses, reference_losses, grads_equal = [], [], True
+        for step in range(5):
+            x, y = torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data)
+            loss = F.cross_entropy(reference(x), y)
+            loss.backward()
+            reference_losses.append(loss.item())
+            mine = slice(4 * (rt.rank % 2), 4 * (rt.rank % 2) + 4)
+            local = F.cross_entropy(ddp(x[mine]), y[mine])
+            local.backward()
+            ddp.finish_gradient_synchronization()
+            grads_equal &= all(torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5)
+                               for a, b in zip(reference.parameters(), ddp.module.parameters()))
+            mean = local.detach().reshape(1)
+            comm.all_reduce(mean, "avg", group=groups[index])
+            losses.append(mean.item())
+            for o in (opt, ref_opt):
+                o.step(); o.zero_grad()
+        report(started_equal=started_equal, grads_equal=grads_equal, losses=losses, reference=reference_losses,
+               groups=sorted(comm.group_counts()))
+""")
+
+
+def test_ddp_on_subgroups_each_group_matches_its_own_single_device(tmp_path):
+    script = tmp_path / "subgroups.py"
+    script.write_text(SUBGROUPS)
+    res = launch(str(script), nproc=4, timeout=120, run_dir=tmp_path / "run")
+    for rank in range(4):
+        rep = res.report(rank)
+        assert rep["started_equal"], f"rank {rank} does not hold its group's first rank's weights"
+        assert rep["grads_equal"], f"rank {rank}: gradients differ from its group's single device"
+        assert max(abs(a - b) for a, b in zip(rep["losses"], rep["reference"])) < 1e-6
+        assert rep["groups"] == ["dp"], "traffic outside the rank's own DP group"
+    assert res.report(0)["losses"] != res.report(2)["losses"], "the two groups should have trained apart"
+
+
+REWRAP = textwrap.dedent("""
+    import torch, torch.nn as nn
+    from labsupport import comm, init, report
+    from labsupport.parallel.ddp import DataParallel
+
+    def hooks(module):
+        return sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+
+    with init() as rt:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        first = DataParallel(model, bucket_mb=0.00001)   # a cell run once ...
+        second = DataParallel(model, bucket_mb=0.00001)  # ... and again, without closing the first
+        counted = [hooks(model)]
+        comm.reset()
+        second(torch.randn(3, 4)).sum().backward()
+        second.finish_gradient_synchronization()
+        calls = comm.counts()["all_reduce"]["calls"]
+        second.close()
+        first.close()  # already replaced: nothing left to remove
+        counted.append(hooks(model))
+        comm.reset()
+        model(torch.randn(3, 4)).sum().backward()
+        report(hooks=counted, calls=calls, buckets=len(second.buckets), after_close=comm.counts())
+""")
+
+
+def test_wrapping_twice_and_closing_once_leaves_no_hooks(tmp_path):
+    script = tmp_path / "rewrap.py"
+    script.write_text(REWRAP)
+    rep = launch(str(script), nproc=2, timeout=60, run_dir=tmp_path / "run").report(0)
+    assert rep["hooks"] == [4, 0], "one wrapper's hooks while wrapped, none after close"
+    assert rep["calls"] == rep["buckets"] == 4, "every bucket all-reduced once, not twice"
+    assert rep["after_close"] == {}, "a closed DataParallel must not communicate"
 
 
 def test_replicas_that_differ_are_refused_without_broadcast(tmp_path):
     script = tmp_path / "differ.py"
     script.write_text(textwrap.dedent("""
-        from types import SimpleNamespace
         import torch
         from labsupport import init
         from labsupport.parallel.ddp import DataParallel
         with init() as rt:
             torch.manual_seed(rt.rank)
-            DataParallel(rt, SimpleNamespace(broadcast_init=False)).setup(torch.nn.Linear(4, 4))
+            DataParallel(torch.nn.Linear(4, 4), broadcast_init=False)
     """))
     with pytest.raises(RankFailed, match=r"model parameters differ between ranks \(2 tensors, first: weight\)"):
         launch(str(script), nproc=2, timeout=60, run_dir=tmp_path / "run")
@@ -121,6 +238,20 @@ def train(tmp_path, strategy, nproc, *extra):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.splitlines()[-1])
     return out, checkpoint.load(ckpt, 20, 0)["model"]
+
+
+def assert_same_as_single(out, ref, ref_params=None, params=None):
+    """Losses within 1e-5, and the synchronized gradients' global norm within 1e-4 relative at every
+    step (a gradient scaled by a constant leaves AdamW's losses alone, not the norm)."""
+    assert len(out["losses"]) == len(ref["losses"]) == 20
+    diffs = [abs(a - b) for a, b in zip(out["losses"], ref["losses"])]
+    assert max(diffs) <= 1e-5, diffs
+    norms = [abs(a - b) / b for a, b in zip(out["grad_norms"], ref["grad_norms"])]
+    assert max(norms) <= 1e-4, norms
+    # Parameters agree to 1e-4, not 1e-5: the key bias gets no true gradient (softmax ignores a
+    # shift shared by all keys), only rounding noise, and Adam scales that noise to lr-sized steps.
+    for name, p in (ref_params or {}).items():
+        assert torch.allclose(params[name], p, atol=1e-4, rtol=0), name
 
 
 @pytest.fixture(scope="module")
@@ -144,21 +275,22 @@ def single(tmp_path_factory):
 def test_strategy_matches_single_step_by_step(tmp_path, single, strategy, nproc, extra):
     ref, ref_params = single
     out, params = train(tmp_path, strategy, nproc, *extra)
-    assert out["world_size"] == nproc and len(out["losses"]) == 20
-    diffs = [abs(a - b) for a, b in zip(out["losses"], ref["losses"])]
-    assert max(diffs) <= 1e-5, diffs
-    # Parameters agree to 1e-4, not 1e-5: the key bias gets no true gradient (softmax ignores a
-    # shift shared by all keys), only rounding noise, and Adam scales that noise to lr-sized steps.
-    for name, p in ref_params.items():
-        assert torch.allclose(params[name], p, atol=1e-4, rtol=0), name
+    assert out["world_size"] == nproc
+    assert_same_as_single(out, ref, ref_params, params)
+    if "--bucket-mb" in extra:  # small buckets: some all-reduce must start while backward still runs
+        trace = json.loads((Path(out["run_dir"]) / "trace-rank0.json").read_text())["events"]
+        backward_end = max(e["end"] for e in trace if e["op"] == "backward")
+        starts = [e["start"] for e in trace if e["op"] == "all_reduce"]
+        assert starts and min(starts) < backward_end, "no bucket was launched during backward: no overlap"
 
 
 @pytest.mark.slow
 def test_ddp_comm_counts_one_bucket_per_step(tmp_path, single):
     out, _ = train(tmp_path, "ddp", 2)
-    n_params = out["n_params"]
-    for per_rank in out["comm"]:  # default 25 MiB bucket: all 4-byte gradients in one all-reduce
-        assert per_rank == {"all_reduce": {"calls": 1, "payload_bytes": 4 * n_params, "wire_bytes": 4 * n_params}}
+    for per_rank, groups, memory in zip(out["comm"], out["comm_groups"], out["memory"]):
+        grads = memory["params"]  # default 25 MiB bucket: all 4-byte gradients (padding rows too) in one all-reduce
+        assert per_rank == {"all_reduce": {"calls": 1, "payload_bytes": grads, "wire_bytes": grads}}
+        assert groups == {"dp": per_rank}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -166,6 +298,8 @@ def test_ddp_comm_counts_one_bucket_per_step(tmp_path, single):
     (["--strategy", "ddp", "--nproc", "4", "--global-batch", "6"], "must be divisible"),
     (["--strategy", "ddp", "--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be > 0"),
     (["--strategy", "ddp", "--nproc", "2", "--ddp-mode", "ring"], "invalid choice: 'ring'"),
+    (["--strategy", "ddp", "--nproc", "2", "--tp", "2"], "strategy 'ddp' splits over dp only, so --tp must be 1"),
+    (["--strategy", "ddp", "--nproc", "4", "--dp", "3", "--global-batch", "6"], "--dp 3 x --tp 1 x --pp 1 = 3 ranks"),
 ])
 def test_bad_ddp_arguments_fail_before_start(args, message):
     res = run_cli("train", *args)

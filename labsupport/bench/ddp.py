@@ -7,8 +7,6 @@ headline ratio is our bucketed step time over torch DDP's, with the same bucket 
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 VARIANTS = ("naive", "flat", "bucketed", "torch-ddp")
 
@@ -41,7 +39,7 @@ def measure(rt, model_name, global_batch, bucket_mb, repeats, sweep):
     from .. import comm
     from ..data import BatchSampler, Corpus
     from ..model import TinyGPT, get_preset
-    from ..parallel import make_strategy
+    from ..parallel import ParallelConfig, make_strategy
     from ..train import train_step
     from . import alternate, median
 
@@ -54,14 +52,15 @@ def measure(rt, model_name, global_batch, bucket_mb, repeats, sweep):
     runners = {}
     for name, (strategy_name, mode, mb) in variants.items():
         torch.manual_seed(0)
-        strategy = make_strategy(strategy_name, rt, SimpleNamespace(ddp_mode=mode, bucket_mb=mb))
-        model = strategy.setup(TinyGPT(cfg))
+        config = ParallelConfig.build(rt.world_size, strategy_name, ddp_mode=mode, bucket_mb=mb)
+        strategy = make_strategy(rt, config)
+        model = strategy.parallelize(TinyGPT(cfg))
         optimizer = strategy.make_optimizer(model, 1e-3, 0.1)
         step = iter(range(10**9))
 
         def run(strategy=strategy, model=model, optimizer=optimizer, step=step):
             x, y = sampler.local_batch(next(step), rt.rank, rt.world_size)
-            train_step(model, strategy, optimizer, [(x, y)], 1.0, nullcontext(), rt.device)
+            train_step(strategy, model, optimizer, [(x.to(rt.device), y.to(rt.device))], 1.0)
         runners[name] = run
     for run in runners.values():
         run()  # warm-up

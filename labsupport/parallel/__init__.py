@@ -1,28 +1,38 @@
 """Parallel strategies, chosen by name. Each one is a `Strategy` (strategy.py) the one training loop calls.
 
-Strategies arrive with their notebooks; the registry maps a name to 'module:Class' so that
-importing labsupport never imports every strategy's dependencies.
+The registry maps a name to 'module:Class' and to the axes of the rank grid the strategy
+splits over (mesh.py), so a configuration can be checked, and importing labsupport does not
+import every strategy's dependencies. Strategies arrive with their notebooks.
 """
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
+
+from .config import ConfigError, ParallelConfig
+
+
+class Entry(NamedTuple):
+    target: str             # "module:Class"
+    axes: tuple[str, ...]   # the degrees of ParallelConfig it may set above 1
+
 
 STRATEGIES = {
-    "single": "labsupport.parallel.strategy:Strategy",
-    "ddp": "labsupport.parallel.ddp:DataParallel",
-    "torch-ddp": "labsupport.parallel.torch_ddp:TorchDDP",
-    "accelerate-ddp": "labsupport.parallel.accelerate_ddp:AccelerateDDP",
+    "single": Entry("labsupport.parallel.strategy:Strategy", ()),
+    "ddp": Entry("labsupport.parallel.ddp:DDPStrategy", ("dp",)),
+    "torch-ddp": Entry("labsupport.parallel.torch_ddp:TorchDDP", ("dp",)),
+    "accelerate-ddp": Entry("labsupport.parallel.accelerate_ddp:AccelerateDDP", ("dp",)),
 }
-DATA_PARALLEL = ("ddp", "torch-ddp", "accelerate-ddp")
+
+__all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]
 
 
 def strategy_names() -> list[str]:
     return list(STRATEGIES)
 
 
-def make_strategy(name: str, rt, args):
-    try:
-        module, cls = STRATEGIES[name].split(":")
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}") from None
-    return getattr(importlib.import_module(module), cls)(rt, args)
+def make_strategy(rt, config: ParallelConfig):
+    """The strategy `config.strategy` for this rank, its mesh built (a collective: every rank calls it)."""
+    config.check(rt.world_size)
+    module, cls = STRATEGIES[config.strategy].target.split(":")
+    return getattr(importlib.import_module(module), cls)(rt, config)

@@ -1,8 +1,8 @@
 """Data parallelism from scratch, in three steps of increasing quality.
 
-Every rank holds a full replica and computes gradients on its own slice of the global batch;
-averaging the gradients over ranks makes every replica take the same optimizer step, as if
-one device had seen the whole batch.
+Every rank of a data-parallel group holds a full replica and computes gradients on its own
+slice of the global batch; averaging the gradients over the group makes every replica take
+the same optimizer step, as if one device had seen the whole batch.
 
 * `naive`: after backward, one all-reduce per parameter. Many small messages: latency-bound.
 * `flat`: after backward, all gradients copied into one buffer and all-reduced at once.
@@ -12,14 +12,20 @@ one device had seen the whole batch.
   order (roughly the order backward produces them), and a full bucket is all-reduced
   asynchronously at once, so communication overlaps the rest of backward.
 
+`DataParallel` is a library object, like torch's DDP: wrap any module for any process group
+(the world, or one DP group of a larger grid), call it, `loss.backward()`, then
+`finish_gradient_synchronization()`; `close()` removes its hooks. `DDPStrategy` plugs it into
+the training loop.
+
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
 `param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
 same parameters; with `find_unused_parameters` (bucketed mode) a parameter may also get a
-gradient on some ranks only (a data-dependent branch), at the price of a graph walk and one
-small all-reduce per step.
+gradient on some ranks only (a data-dependent branch): forward then walks the autograd graph
+from the output, as torch's does, and one small all-reduce per step agrees on what was used.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -30,9 +36,9 @@ from .strategy import Strategy
 MODES = ("naive", "flat", "bucketed")
 
 
-def parameters_in_graph(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf parameters that backward from `loss` will reach (its AccumulateGrad nodes)."""
-    seen, todo, reached = set(), [loss.grad_fn], set()
+def parameters_in_graph(output: torch.Tensor) -> set[int]:
+    """ids of the leaf parameters that backward from `output` will reach (its AccumulateGrad nodes)."""
+    seen, todo, reached = set(), [output.grad_fn], set()
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -44,29 +50,35 @@ def parameters_in_graph(loss: torch.Tensor) -> set[int]:
     return reached
 
 
-def check_replicas(model) -> None:
-    """Raise if the ranks' parameters differ (e.g. seeded differently and never broadcast).
+def first_rank(group) -> int:
+    """Global rank of the group's first member: the one whose initial values everyone takes."""
+    return comm.global_rank(group, 0)
+
+
+def check_replicas(model, group=None) -> None:
+    """Raise if the group's ranks' parameters differ (e.g. seeded differently and never broadcast).
 
     Compares a fingerprint per parameter (sum and sum of squares, in float64): the largest and
-    the smallest value over the ranks must agree.
+    the smallest value over the group's ranks must agree.
     """
     names = [name for name, _ in model.named_parameters()]
     prints = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                           for p in model.parameters()])
     high, low = prints.clone(), prints.clone()
-    comm.all_reduce(high, "max")
-    comm.all_reduce(low, "min")
+    comm.all_reduce(high, "max", group=group)
+    comm.all_reduce(low, "min", group=group)
     differ = (high != low).any(dim=1).nonzero()
     if len(differ):
         raise ValueError(f"model parameters differ between ranks ({len(differ)} tensors, first: "
-                         f"{names[differ[0].item()]}); broadcast rank 0's values or seed every rank alike")
+                         f"{names[differ[0].item()]}); broadcast rank {first_rank(group)}'s values or "
+                         "seed every rank alike")
 
 
 class Bucket:
     """A group of parameters whose gradients travel in one all-reduce."""
 
-    def __init__(self, params: list[torch.nn.Parameter], index: int):
-        self.params, self.index = params, index
+    def __init__(self, params: list[torch.nn.Parameter], index: int, group=None):
+        self.params, self.index, self.group = params, index, group
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.ready: set[int] = set()
         self.work = None
@@ -81,10 +93,10 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
     def launch(self) -> None:
-        """Copy the gradients in and start averaging them over the ranks, without waiting."""
+        """Copy the gradients in and start averaging them over the group, without waiting."""
         for p, view in self._views():
             view.copy_(p.grad.view(-1)) if p.grad is not None else view.zero_()
-        self.work = comm.all_reduce(self.buffer, "avg", async_op=True, bucket=self.index)
+        self.work = comm.all_reduce(self.buffer, "avg", group=self.group, async_op=True, bucket=self.index)
 
     def finish(self) -> None:
         """Wait for the all-reduce and copy the averaged gradients back."""
@@ -97,53 +109,66 @@ class Bucket:
         self.ready.clear()
 
 
-class DataParallel(Strategy):
-    name = "ddp"
+class DataParallel(torch.nn.Module):
+    """Average gradients over `group` (None: the world) for any module.
 
-    def __init__(self, rt, args):
-        super().__init__(rt, args)
-        self.mode = getattr(args, "ddp_mode", "bucketed")
-        self.bucket_bytes = int(getattr(args, "bucket_mb", 25.0) * 2**20)
-        if self.mode not in MODES:
-            raise ValueError(f"unknown --ddp-mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.bucket_bytes <= 0:
-            raise ValueError("--bucket-mb must be > 0")
+        ddp = DataParallel(model, group, mode="bucketed", bucket_mb=25)
+        loss_fn(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+        ddp.close()          # or use it as a context manager
+
+    On construction the group's first rank's parameters and buffers are broadcast, so the
+    replicas start identical (`broadcast_init=False` checks that they already are instead).
+    Wrapping a module again replaces the earlier wrapper and removes its hooks, so a notebook
+    cell run twice does not all-reduce twice.
+    """
+
+    def __init__(self, module: torch.nn.Module, group=None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
+                 find_unused_parameters: bool = False, broadcast_init: bool = True):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"DataParallel(mode=...) must be one of {', '.join(MODES)}, got {mode!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"DataParallel(bucket_mb=...) must be > 0, got {bucket_mb!r}")
+        if find_unused_parameters and mode != "bucketed":
+            raise ValueError("DataParallel(find_unused_parameters=True) needs mode='bucketed'")
+        self.module, self.group, self.mode = module, group, mode
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.find_unused_parameters = find_unused_parameters
         self.sync = True
         self.buckets: list[Bucket] = []
-        self.broadcast_init = getattr(args, "broadcast_init", True)
-        self.find_unused_parameters = getattr(args, "find_unused_parameters", False)
         self.next_bucket = 0
-
-    def data_rank(self):
-        return self.rt.rank, self.rt.world_size
-
-    def setup(self, model):
-        model = model.to(self.rt.device)
-        if self.broadcast_init:  # replicas must start identical: rank 0's initial values win
-            for tensor in [*model.parameters(), *model.buffers()]:
-                comm.broadcast(tensor.data, src=0)
+        self._hooks = []
+        self._warned = False
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        previous = module.__dict__.get("_data_parallel")
+        if previous is not None:
+            previous.close()
+        module.__dict__["_data_parallel"] = self  # not a submodule: no cycle in state_dict
+        if broadcast_init:  # replicas must start identical: the group's first rank's values win
+            for tensor in [*module.parameters(), *module.buffers()]:
+                comm.broadcast(tensor.data, src=first_rank(group), group=group)
         else:
-            check_replicas(model)
-        if self.mode == "bucketed":
-            self._make_buckets(model)
-        return model
+            check_replicas(module, group)
+        if mode == "bucketed":
+            self._make_buckets()
 
-    def _trainable(self, model):
-        return [p for p in model.parameters() if p.requires_grad]  # frozen ones never communicate
+    def _trainable(self):
+        return [p for p in self.module.parameters() if p.requires_grad]  # frozen ones never communicate
 
-    def _make_buckets(self, model):
+    def _make_buckets(self):
         current, size = [], 0
-        for p in reversed(self._trainable(model)):
+        for p in reversed(self._trainable()):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= self.bucket_bytes:
-                self.buckets.append(Bucket(current, len(self.buckets)))
+                self.buckets.append(Bucket(current, len(self.buckets), self.group))
                 current, size = [], 0
         if current:
-            self.buckets.append(Bucket(current, len(self.buckets)))
+            self.buckets.append(Bucket(current, len(self.buckets), self.group))
         for bucket in self.buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._hook(bucket, id(p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, id(p))))
 
     def _hook(self, bucket: Bucket, key: int):
         def on_grad_ready(param):  # the parameter, whose .grad is now complete
@@ -159,16 +184,17 @@ class DataParallel(Strategy):
             self.buckets[self.next_bucket].launch()
             self.next_bucket += 1
 
-    def backward(self, loss):
-        if self.sync and self.find_unused_parameters and self.mode == "bucketed":
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self.sync and torch.is_grad_enabled():
             # Parameters this rank's graph never reaches get no hook call: mark them ready now
             # (they travel as zeros), so no rank waits for a bucket that cannot fill.
-            reached = parameters_in_graph(loss)
+            reached = parameters_in_graph(out)
             for bucket in self.buckets:
                 for p in bucket.params:
                     if id(p) not in reached:
                         self._mark_ready(bucket, id(p))
-        loss.backward()
+        return out
 
     @contextmanager
     def no_sync(self):
@@ -179,18 +205,19 @@ class DataParallel(Strategy):
         finally:
             self.sync = True
 
-    def finish_backward(self, model):
+    def finish_gradient_synchronization(self) -> None:
+        """After the last backward of a step: wait until every gradient is averaged over the group."""
         if self.mode == "naive":
-            for p in self._trainable(model):
+            for p in self._trainable():
                 if p.grad is not None:
-                    comm.all_reduce(p.grad, "avg")
+                    comm.all_reduce(p.grad, "avg", group=self.group)
         elif self.mode == "flat":  # one bucket holding every gradient, sent after backward
-            bucket = Bucket([p for p in self._trainable(model) if p.grad is not None], 0)
+            bucket = Bucket([p for p in self._trainable() if p.grad is not None], 0, self.group)
             bucket.launch()
             bucket.finish()
         else:
             if self.find_unused_parameters:
-                self._agree_on_used(self._trainable(model))
+                self._agree_on_used(self._trainable())
             for bucket in self.buckets[self.next_bucket:]:  # held back behind an incomplete one
                 bucket.launch() if bucket.full() else self._launch_incomplete(bucket)
             for bucket in self.buckets:
@@ -200,8 +227,8 @@ class DataParallel(Strategy):
     def _agree_on_used(self, params):
         """Which parameters got a gradient on any rank: those are averaged (zero where missing),
         the ones used nowhere keep no gradient, exactly as on one device."""
-        used = torch.tensor([float(p.grad is not None) for p in params])
-        comm.all_reduce(used, "max")
+        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        comm.all_reduce(used, "max", group=self.group)
         for p, u in zip(params, used.tolist()):
             if u and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -209,9 +236,54 @@ class DataParallel(Strategy):
     def _launch_incomplete(self, bucket: Bucket):
         """A bucket whose hooks did not all fire: a parameter got no gradient in this step.
 
-        Without find_unused_parameters that must be so on every rank alike (e.g. a layer
-        skipped on some steps); the ranks still check which parameters anyone used.
+        It held back every later bucket until now, so this step's communication did not
+        overlap backward: say so once (torch's DDP raises instead). Without
+        find_unused_parameters the ranks must agree (e.g. a layer every rank skips on some
+        steps); they still check which parameters anyone used.
         """
+        if not self.find_unused_parameters and not self._warned:
+            self._warned = True
+            missing = [self._names.get(id(p), "?") for p in bucket.params if id(p) not in bucket.ready]
+            warnings.warn(f"DataParallel: {', '.join(missing)} got no gradient in backward, so bucket "
+                          f"{bucket.index} and the {len(self.buckets) - bucket.index - 1} after it were sent only "
+                          "after backward, without overlap. Freeze parameters that are never used "
+                          "(requires_grad_(False)), or pass find_unused_parameters=True if their use depends "
+                          "on the data", stacklevel=3)
         self._agree_on_used(bucket.params)
         if any(p.grad is not None for p in bucket.params):
             bucket.launch()
+
+    def close(self) -> None:
+        """Remove the gradient hooks; the module trains alone again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self.module.__dict__.get("_data_parallel") is self:
+            del self.module.__dict__["_data_parallel"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class DDPStrategy(Strategy):
+    """`--strategy ddp`: the loop's model is a DataParallel over this rank's DP group."""
+
+    name = "ddp"
+
+    def parallelize(self, model):
+        c = self.config
+        return DataParallel(model.to(self.rt.device), self.mesh.dp_group, mode=c.ddp_mode, bucket_mb=c.bucket_mb,
+                            find_unused_parameters=c.find_unused_parameters)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def finish_backward(self, model):
+        model.finish_gradient_synchronization()
+
+    def close(self, model):
+        model.close()

@@ -1,0 +1,133 @@
+"""One parallel configuration for a run, checked once, before any process starts.
+
+Every strategy reads its options from a `ParallelConfig`; none reads the command line. The
+same object is built from `labsupport train` flags, from `train.run(...)` keywords and by
+the benchmarks, and `check()` refuses a bad one with one line per mistake, naming the flag
+(or keyword) to change. The degrees follow the rank grid of `mesh.py`:
+
+    world size = dp x pp x tp
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DDP_MODES = ("naive", "flat", "bucketed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+AXES = ("dp", "tp", "pp")
+
+
+class ConfigError(ValueError):
+    """Bad parallel settings; the message has one line per mistake."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a run is split over ranks, and the options of the strategy that splits it."""
+
+    strategy: str = "single"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch)
+    chunks: int = 1                  # model chunks per pipeline rank (interleaved 1F1B)
+    sequence_parallel: bool = False
+    ddp_mode: str = "bucketed"
+    bucket_mb: float = 25.0
+    find_unused_parameters: bool = False
+
+    @classmethod
+    def build(cls, world_size: int, strategy: str = "single", dp: int | None = None, tp: int = 1, pp: int = 1,
+              **options) -> "ParallelConfig":
+        """The configuration for `world_size` ranks: dp defaults to what tp and pp leave of the world."""
+        if dp is None:
+            dp = max(1, world_size // max(1, tp * pp))
+        return cls(strategy=strategy, dp=dp, tp=tp, pp=pp, **options)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def layout(self) -> dict:
+        """What a checkpoint must match to be resumed: the strategy and the grid."""
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def problems(self, world_size: int, model=None, global_batch: int | None = None,
+                 micro_batch: int | None = None) -> list[str]:
+        """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set."""
+        from . import STRATEGIES  # the registry says which axes each strategy splits
+        out = []
+        entry = STRATEGIES.get(self.strategy)
+        if entry is None:
+            return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
+        degrees = {axis: getattr(self, axis) for axis in AXES}
+        if min(degrees.values()) < 1:
+            return [f"--dp, --tp and --pp must be >= 1, got {self._grid()}"]
+        if self.strategy == "single" and world_size != 1:
+            out.append(f"strategy 'single' runs on one rank; use --nproc 1 (got {world_size})")
+        elif self.world_size != world_size:
+            out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
+                       "make dp x tp x pp equal the number of ranks")
+        for axis in AXES:
+            if axis not in entry.axes and degrees[axis] > 1 and self.strategy != "single":
+                uses = " and ".join(entry.axes) or "nothing"
+                out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
+                           f"(got {degrees[axis]})")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.ddp_mode not in DDP_MODES:
+            out.append(f"--ddp-mode must be one of {', '.join(DDP_MODES)}, got {self.ddp_mode!r}")
+        if not self.bucket_mb > 0:
+            out.append(f"--bucket-mb must be > 0, got {self.bucket_mb:g}")
+        if self.schedule not in SCHEDULES:
+            out.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.chunks < 1 or (self.microbatches is not None and self.microbatches < 1):
+            out.append("--chunks and --microbatches must be >= 1")
+        if model is not None:
+            out += self._model_problems(model)
+        if global_batch is not None:
+            out += self._batch_problems(global_batch, micro_batch)
+        return out
+
+    def check(self, world_size: int, model=None, global_batch: int | None = None,
+              micro_batch: int | None = None) -> None:
+        problems = self.problems(world_size, model, global_batch, micro_batch)
+        if problems:
+            raise ConfigError(problems)
+
+    def _grid(self) -> str:
+        return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}"
+
+    def _model_problems(self, model) -> list[str]:
+        out = []
+        for what, size in (("heads", model.heads), ("hidden size", model.hidden),
+                           ("padded vocabulary", model.padded_vocab)):
+            if size % self.tp:
+                out.append(f"--tp {self.tp} must divide the model's {what} ({size})")
+        stages = self.pp * self.chunks
+        if model.n_layers % stages:
+            out.append(f"--pp {self.pp} x --chunks {self.chunks} = {stages} pipeline chunks must divide "
+                       f"the model's {model.n_layers} layers")
+        if self.sequence_parallel and model.seq_len % self.tp:
+            out.append(f"--sequence-parallel needs --tp {self.tp} to divide the sequence length ({model.seq_len})")
+        return out
+
+    def _batch_problems(self, global_batch: int, micro_batch: int | None) -> list[str]:
+        if global_batch < 1:
+            return ["--global-batch must be >= 1"]
+        micro = micro_batch or global_batch // self.dp
+        if global_batch % self.dp or micro < 1 or (global_batch // self.dp) % micro:
+            return [f"--global-batch {global_batch} must be divisible by micro-batch x data-parallel ranks "
+                    f"({micro_batch or 'auto'} x {self.dp})"]
+        if self.microbatches is not None and (global_batch // self.dp) % self.microbatches:
+            return [f"--microbatches {self.microbatches} must divide the {global_batch // self.dp} sequences "
+                    f"each data-parallel rank gets per step"]
+        return []
