@@ -138,9 +138,11 @@ def cmd_memory(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import run
     if args.repeats is None:
-        args.repeats = 5 if args.name == "collectives" else 10
+        args.repeats = {"collectives": 5, "launch": 3}.get(args.name, 10)
     if args.name == "collectives":
         options = {"sizes": args.sizes, "repeats": args.repeats}
+    elif args.name == "launch":
+        options = {"repeats": args.repeats}
     else:
         options = {"model": args.model, "global_batch": args.global_batch, "bucket_mb": args.bucket_mb,
                    "repeats": args.repeats, "bucket_sweep": args.bucket_sweep}
@@ -152,7 +154,7 @@ def cmd_bench(args) -> int:
         lines.append("".join(f"{r[c]:>14.6g}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in columns))
     for key, fit in summary.get("fits", {}).items():
         lines.append(f"fit {key:<28} alpha {fit['alpha_s'] * 1e6:8.1f} us   1/beta {1 / fit['beta_s_per_byte'] / 1e9 if fit['beta_s_per_byte'] else float('inf'):8.2f} GB/s")
-    lines.append(f"ratio ours/reference ({summary['headline']}): {summary['ratio']:.2f}x time")
+    lines.append(f"ratio ours/reference ({summary['headline']}): {summary['ratio']:.3g}x time")
     _emit(args, "\n".join(lines), summary)
     return 0
 
@@ -197,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--nproc", type=int, default=2)
     b.add_argument("--timeout", type=float, default=600)
     b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
-    b.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="timed repetitions per variant (launch: rounds of one fresh launch and 7 pool cells)")
     b.add_argument("--model", default="micro", help="ddp: the CPU preset trained")
     b.add_argument("--global-batch", type=int, default=16, help="ddp: sequences per step")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of bucketed and torch DDP")

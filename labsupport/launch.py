@@ -100,9 +100,23 @@ def check_target(script=None, module=None) -> list[str]:
     return ["-m", module]
 
 
+RANK_MEMORY_BYTES = 2**29  # what one CPU rank of a tiny model takes (torch, gloo, the model): ~0.5 GiB
+
+
+def max_cpu_ranks() -> int:
+    """How many CPU ranks this machine can run: 4 per core (at least 8, so the 2 x 2 x 2 grid runs
+    on a laptop), and no more than its memory holds at RANK_MEMORY_BYTES each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(max(8, 4 * cores), memory // RANK_MEMORY_BYTES))
+
+
 def check_nproc(nproc, device: str = "auto") -> int:
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise LaunchError(f"nproc must be an integer >= 1, got {nproc!r}")
+    if device in ("auto", "cpu") and nproc > max_cpu_ranks():
+        raise LaunchError(f"{nproc} ranks is more than this machine can run on CPU ({max_cpu_ranks()} at most "
+                          f"for {os.cpu_count()} cores); use a smaller --nproc")
     if device == "cuda":
         import torch
         have = torch.cuda.device_count()

@@ -170,6 +170,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(nproc=0), "nproc must be an integer >= 1"),
+    (dict(nproc=10_000), "more than this machine can run on CPU"),
     (dict(nproc=2, device="cuda"), "on GPUs but this machine has 0 GPU(s)"),
     (dict(nproc=2, script="missing.py"), "script not found: missing.py"),
     (dict(nproc=2, module="no_such_module_xyz"), "module not found: no_such_module_xyz"),
@@ -219,3 +220,6 @@ def test_doctor_smoke_test():
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.splitlines()[-1])
     assert info["smoke_test"]["ok"] and info["backends"]["gloo"] and info["recommended_nproc"] >= 1
+    names = f" ({', '.join(info['gpu_names'])})" if info["gpus"] else ""
+    assert (f"devices: {info['gpus']} GPU(s){names}, {info['cpu_cores']} CPU core(s); "
+            f"ranks will use {info['device'].split(':')[0]} + {info['backend']}\n") in res.stderr

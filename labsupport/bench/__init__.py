@@ -3,14 +3,15 @@
 Each benchmark is a module here that runs on the ranks (`python -m labsupport.bench.NAME`
 under the launcher) and reports raw timings from rank 0; `summarize()` in the same module
 turns them into rows and the headline ratio. Ours and the reference alternate inside one
-loop, so drift of the machine (other processes, frequency scaling) hits both alike.
+loop, so drift of the machine (other processes, frequency scaling) hits both alike. A benchmark
+of starting ranks (`launch`) starts them itself: it has `run_here()`, called in this process.
 """
 from __future__ import annotations
 
 import statistics
 import time
 
-BENCHMARKS = ("collectives", "ddp")
+BENCHMARKS = ("collectives", "ddp", "launch")
 
 
 def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:
@@ -39,8 +40,12 @@ def run(name: str, nproc: int = 2, timeout: float | None = 600, out=None, **opti
         raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
     module = importlib.import_module(f".{name}", __name__)
     module.check(nproc=nproc, **options)
-    res = launch("-m", f"labsupport.bench.{name}", *to_argv(**options), nproc=nproc, timeout=timeout,
-                 ranks="0", out=out, name=f"bench-{name}")
-    summary = module.summarize(res.report(0), nproc)
-    summary.update(benchmark=name, nproc=nproc, run_dir=str(res.run_dir))
+    if hasattr(module, "run_here"):
+        summary = module.run_here(nproc=nproc, timeout=timeout, out=out, **options)
+    else:
+        res = launch("-m", f"labsupport.bench.{name}", *to_argv(**options), nproc=nproc, timeout=timeout,
+                     ranks="0", out=out, name=f"bench-{name}")
+        summary = module.summarize(res.report(0), nproc)
+        summary["run_dir"] = str(res.run_dir)
+    summary.update(benchmark=name, nproc=nproc)
     return summary

@@ -1,0 +1,569 @@
+"""Interactive ranks: a pool of N real ranks that keep their state between notebook cells.
+
+A `%%torchrun` cell starts fresh processes, and nothing they computed survives the cell. The
+pool keeps N ranks running instead: ipyparallel engines on 127.0.0.1, one per rank, each set up
+exactly as `labsupport.init()` sets up a torchrun rank (identity, device and backend, threads,
+seed, process group on a free port), with `rt` in its namespace:
+
+    %load_ext labsupport
+    %ranks start --nproc 2              # from Python: from labsupport.pool import ranks; ranks.start(2)
+
+    %%ranks                             # runs on every rank; --ranks 0,1 for some, --timeout S
+    t = torch.tensor([rt.rank + 1.0])
+    comm.all_reduce(t)
+    t                                   # -> {0: tensor([3.]), 1: tensor([3.])}
+
+    ranks.pull("t"), ranks.push(lr=0.1), ranks.report(0), %ranks status | restart | stop
+
+Each rank's output appears as it is printed, prefixed `[rank k] `. Failures behave as in a
+launch. A rank that raises shows its traceback under its name; the pool stays usable. A cell that
+runs past its timeout, is interrupted, or loses a rank cannot be stopped inside a collective, so
+the pool names the ranks still running and where they wait, then restarts every rank with a
+fresh process group and says that their state was lost.
+
+No process outlives the pool: `stop()` ends them all, and so does the kernel's exit. If the
+kernel is killed, Linux kills the controller and the engines with it (see `_serve`).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import atexit
+import faulthandler
+import logging
+import os
+import re
+import runpy
+import shlex
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, _alive,
+                     _crashed_ranks, _innermost_frame, check_nproc, descendants, free_port, make_run_dir)
+from .rank import die_with_parent
+
+START_TIMEOUT_S = 120  # for the engines to register and the process group to form
+LEAVE_TIMEOUT_S = 10   # for the ranks to leave the process group on stop()
+PEER_GRACE_S = 5       # after a rank raised, how long the others may still run (see _gather)
+POLL_S = 0.01          # how often output is copied and the ranks are checked while a cell runs
+
+# What the controller and the engines run: `python -c _SERVE MODULE ARGS...` (see _serve).
+_SERVE = "import labsupport.pool; labsupport.pool._serve()"
+
+
+class PoolError(LaunchError):
+    """A request the pool refuses (bad input, no pool, a second pool): one line, nothing started."""
+
+
+class RankPool:
+    """N ranks, alive between cells. `ranks` below is the notebook's pool; the magics use it."""
+
+    def __init__(self):
+        self._cluster = None
+        self._client = None
+        self._engines: dict[int, int] = {}  # rank -> ipyparallel engine id (not always equal)
+        self._pids: dict[int, int] = {}     # rank -> engine process id
+        self._cells = 0
+        self._exit_hook = False
+        self.nproc = 0
+        self.run_dir: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._cluster is not None
+
+    # ------------------------------------------------------------ life cycle
+
+    def start(self, nproc: int = 2, timeout: float = DEFAULT_NOTEBOOK_TIMEOUT, seed: int = 0,
+              device: str = "auto") -> RankPool:
+        """Start `nproc` ranks; `timeout` is every cell's default limit and the process group's."""
+        if self.running:
+            raise PoolError(f"a pool of {self.nproc} ranks is already running; stop it first with "
+                            "`%ranks stop`, or get fresh ranks with `%ranks restart`")
+        nproc = check_nproc(nproc, device)
+        if not timeout or timeout <= 0:
+            raise PoolError(f"timeout must be > 0 seconds, got {timeout}")
+        self.nproc, self.timeout, self.seed, self.device = nproc, timeout, seed, device
+        self.run_dir = make_run_dir(name="pool")
+        began = time.monotonic()
+        try:
+            self._launch()
+            self._become_ranks()
+        except BaseException as e:  # nothing may stay half-started, whatever went wrong
+            self._end_processes()
+            if isinstance(e, _Lost) and e.error is KeyboardInterrupt:
+                raise KeyboardInterrupt from None
+            if isinstance(e, (_Lost, TimeoutError)):
+                raise PoolError(f"the ranks did not start: {e}; logs in {self.run_dir}") from None
+            raise
+        self.start_s = time.monotonic() - began
+        if not self._exit_hook:  # before ipyparallel's own hook (atexit runs last-registered first)
+            atexit.register(self._end_processes)
+            self._exit_hook = True
+        return self
+
+    def _launch(self) -> None:
+        """The ipyparallel controller and one engine per rank, all on 127.0.0.1, files in the run dir."""
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        from .runtime import threads_per_rank
+        env = {"LABSUPPORT_RUN_DIR": str(self.run_dir), "LABSUPPORT_POOL_OWNER": str(os.getpid()),
+               "OMP_NUM_THREADS": str(threads_per_rank(self.nproc)),
+               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        if self.device == "cpu":
+            env["LABSUPPORT_DEVICE"] = "cpu"
+        config = Config()
+        config.LocalControllerLauncher.controller_cmd = [sys.executable, "-c", _SERVE, "ipyparallel.controller"]
+        config.LocalControllerLauncher.environment = env
+        config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-c", _SERVE, "ipyparallel.engine"]
+        config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]  # one process per rank
+        config.LocalEngineSetLauncher.environment = env
+        log = logging.getLogger(f"labsupport.pool.{id(self)}")  # ipyparallel's messages: to a file, not the cell
+        for handler in log.handlers:
+            handler.close()
+        log.handlers, log.propagate = [logging.FileHandler(self.run_dir / "ipyparallel.log")], False
+        self._cluster = ipp.Cluster(
+            n=self.nproc, controller_ip="127.0.0.1", profile_dir=str(self.run_dir / "ipyparallel"),
+            # schedulers as threads: one controller process; a 0.5 s heartbeat registers engines in
+            # about 1 s instead of 6 (the default is 3 s, and registration waits for a beat)
+            controller_args=["--usethreads", "--HeartMonitor.period=500"],
+            delay=0, engine_timeout=START_TIMEOUT_S, load_profile=False, log=log, parent=None, config=config)
+        self._cluster.start_cluster_sync()
+        self._client = self._cluster.connect_client_sync()
+        self._client.wait_for_engines(self.nproc, timeout=START_TIMEOUT_S, interactive=False)
+
+    def _become_ranks(self) -> None:
+        """Give the engines ranks 0..N-1 (kept as a map: ranks are ours, engine ids ipyparallel's)."""
+        ids = sorted(self._client.ids)
+        pids = self._client[ids].apply_async(os.getpid).get(START_TIMEOUT_S)
+        self._engines, self._pids = dict(enumerate(ids)), dict(enumerate(pids))
+        port = free_port()
+        done = self._gather({r: (_become_rank, r, self.nproc, port, self.seed, self.timeout)
+                             for r in range(self.nproc)}, START_TIMEOUT_S)
+        errors = {r: res["error"] for r, res in done.items() if "error" in res}
+        if errors:
+            _print_tracebacks(done)
+            raise _Lost(RankFailed, _failure_line(errors), [])
+        self.device_backend = done[0]["value"]
+
+    def stop(self) -> None:
+        """Leave the process group cleanly (as `with init()` does at its end), then end every process."""
+        if not self.running:
+            return
+        try:
+            self._gather({r: (_leave_rank,) for r in self._alive_ranks()}, LEAVE_TIMEOUT_S)
+        except _Lost:
+            pass  # a broken group cannot be left cleanly; the processes end all the same
+        finally:
+            self._end_processes()
+
+    def restart(self) -> RankPool:
+        """Fresh ranks and a fresh process group, with the same settings; all rank state is lost."""
+        self._check_running()
+        settings = self._settings()
+        self.stop()
+        return self.start(**settings)
+
+    def _settings(self) -> dict:
+        return dict(nproc=self.nproc, timeout=self.timeout, seed=self.seed, device=self.device)
+
+    def status(self) -> dict[int, str]:
+        """{rank: "idle" or "dead"}. Cells run one at a time, so a live rank is idle between them."""
+        return {r: "idle" if _alive(pid) else "dead" for r, pid in self._pids.items()}
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """{rank: process id}, to find a rank with ps or kill it by hand."""
+        return dict(self._pids)
+
+    def _alive_ranks(self) -> list[int]:
+        return [r for r, pid in self._pids.items() if _alive(pid)]
+
+    def _end_processes(self) -> None:
+        """Kill the controller, the engines and anything they started; forget them."""
+        cluster, client = self._cluster, self._client
+        self._cluster = self._client = None
+        self._engines, self._pids = {}, {}
+        if client is not None:
+            client.close(linger=0)
+        if cluster is None:
+            return
+        pids = [launcher.pid for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
+        if cluster.controller is not None:
+            pids.append(cluster.controller.pid)
+        _kill([p for pid in pids if pid > 0 for p in (pid, *descendants(pid))])
+        cluster.stop_cluster_sync()  # ipyparallel's bookkeeping (files, its exit hook); they are gone
+
+    # ------------------------------------------------------------ running code on the ranks
+
+    def run(self, code: str, ranks=None, timeout: float | None = None) -> dict:
+        """Run `code` on the ranks (all, or e.g. [0, 2] / "0,2"); return {rank: value of its last expression}.
+
+        The ranks' output is printed as it arrives, each line prefixed `[rank k] `. Variables stay
+        on the ranks for later cells. `timeout` defaults to the pool's.
+        """
+        self._check_running()
+        targets = self._pick(ranks)
+        ast.parse(code)  # a syntax error is the notebook's, before any rank sees it
+        self._cells += 1
+        cell = self.run_dir / f"cell{self._cells}.py"  # tracebacks and stack dumps quote its lines
+        cell.write_text(code)
+        return self._values(self._on_ranks({r: (_run_cell, code, str(cell)) for r in targets}, timeout))
+
+    def pull(self, name: str, ranks=None, timeout: float | None = None) -> dict:
+        """{rank: the value of `name` on that rank}."""
+        self._check_running()
+        return self._values(self._on_ranks({r: (_get, name) for r in self._pick(ranks)}, timeout))
+
+    def push(self, values: dict | None = None, ranks=None, timeout: float | None = None, **more) -> None:
+        """Set variables on the ranks: `push(lr=0.1)` or `push({"lr": 0.1}, ranks=[0])`."""
+        self._check_running()
+        values = {**(values or {}), **more}
+        self._values(self._on_ranks({r: (_set, values) for r in self._pick(ranks)}, timeout))
+
+    def report(self, rank: int = 0) -> dict:
+        """What rank `rank` passed to `report()` since the pool started, later keys overriding earlier ones."""
+        self._check_running()
+        return RunResult(self.run_dir, self.nproc, 0, 0.0).report(self._pick(rank)[0])
+
+    def _check_running(self) -> None:
+        if not self.running:
+            raise PoolError(_NO_POOL)
+
+    def _pick(self, ranks) -> list[int]:
+        """Ranks as a sorted list, from None/"all", an int, a list, or a string like "0,2"."""
+        if ranks is None or ranks == "all":
+            return list(range(self.nproc))
+        if isinstance(ranks, str):
+            if not re.fullmatch(r"\d+(,\d+)*", ranks):
+                raise PoolError(f"ranks must be 'all' or a comma-separated list like '0,2', got {ranks!r}")
+            ranks = [int(r) for r in ranks.split(",")]
+        elif isinstance(ranks, int):
+            ranks = [ranks]
+        missing = sorted(set(ranks) - set(range(self.nproc)))
+        if missing:
+            raise PoolError(f"there is no rank {missing[0]}: the pool's ranks are 0 to {self.nproc - 1}")
+        return sorted(set(ranks))
+
+    def _values(self, results: dict) -> dict:
+        """{rank: value}, or, if some rank raised, its traceback printed and RankFailed naming it."""
+        errors = {r: res["error"] for r, res in results.items() if "error" in res}
+        if errors:
+            _print_tracebacks(results)
+            raise RankFailed(_failure_line(errors) + ("; the traceback is above" if any(
+                results[r]["traceback"] for r in errors) else ""))
+        return {r: res["value"] for r, res in results.items()}
+
+    def _on_ranks(self, jobs: dict, timeout: float | None) -> dict:
+        """_gather, and when the ranks are lost: say where they were, restart them, and raise."""
+        if timeout is not None and timeout <= 0:
+            raise PoolError(f"timeout must be > 0 seconds, got {timeout:g}")
+        dead = [r for r in range(self.nproc) if r not in self._alive_ranks()]
+        try:
+            if dead:  # between cells: killed, out of memory...
+                raise _Lost(RankFailed, f"{_ranks_word(dead)} died since the last cell", [])
+            return self._gather(jobs, self.timeout if timeout is None else timeout)
+        except _Lost as lost:
+            print(f"{lost}; restarting all {self.nproc} ranks...", file=sys.stderr, flush=True)
+            settings = self._settings()
+            self._end_processes()  # no clean exit: a rank stuck in a collective would never leave
+            try:
+                self.start(**settings)
+            except BaseException as e:
+                raise PoolError(f"{lost}; restarting the ranks failed ({e}); "
+                                "start again with `%ranks start --nproc N`") from None
+            message = (f"{lost}; restarted all {self.nproc} ranks with a fresh process group: "
+                       "all rank state (variables, tensors, models) was lost")
+            if lost.error is KeyboardInterrupt:
+                print(message, file=sys.stderr, flush=True)
+                raise KeyboardInterrupt from None
+            raise lost.error(message) from None
+
+    def _gather(self, jobs: dict, timeout: float) -> dict:
+        """Run {rank: (fn, *args)} on the ranks; stream their output; return {rank: {"value"|"error": ...}}.
+
+        Raises _Lost past the timeout, on an interrupt, when a rank dies, and when a rank raised
+        and the others are still running PEER_GRACE_S later: as in a launch, where torchrun stops
+        the others, they are most likely waiting in a collective for the rank that failed.
+        """
+        began = time.monotonic()
+        calls = {r: self._client[self._engines[r]].apply_async(_on_rank, *job) for r, job in jobs.items()}
+        echoes = {r: _Echo(r) for r in calls}
+        results, failed_at, running = {}, None, list(calls)
+        try:
+            while True:
+                for r in running:
+                    echoes[r].show(calls[r])
+                    if calls[r].ready():
+                        results[r] = _result(calls[r])
+                running = [r for r in calls if r not in results]
+                if not running:
+                    break
+                dead = [r for r in running if not _alive(self._pids[r])]
+                if dead:
+                    crashed = [line for line in _crashed_ranks(self.run_dir, self.nproc)  # "rank K crashed (...)"
+                               if int(line.split()[1]) in dead]
+                    raise _Lost(RankFailed, "; ".join(crashed) or f"{_ranks_word(dead)} died",
+                                [r for r in running if r not in dead])
+                errors = {r: res["error"] for r, res in results.items() if "error" in res}
+                if errors and failed_at is None:
+                    failed_at = time.monotonic()
+                if errors and time.monotonic() - failed_at > PEER_GRACE_S:
+                    raise _Lost(RankFailed, f"{_failure_line(errors)}, and {PEER_GRACE_S} s later "
+                                f"the other ranks had not finished", running)
+                if time.monotonic() - began > timeout:
+                    raise _Lost(LaunchTimeout, f"timed out after {timeout:g} s", running)
+                calls[running[0]].wait(POLL_S)
+        except (_Lost, KeyboardInterrupt) as e:  # KeyboardInterrupt: the notebook's stop button, Ctrl-C
+            lost = e if isinstance(e, _Lost) else _Lost(KeyboardInterrupt, "interrupted", running)
+            where = self._where(lost.running)
+            for r, call in calls.items():  # what arrived meanwhile, and who raised before the others were lost
+                echoes[r].show(call, final=True)
+            _print_tracebacks(results)
+            lost.reason += f"; still running: {where}" if where else ""
+            raise lost from None
+        for r, call in calls.items():  # output may arrive just after the result
+            call.wait_for_output(1.0)
+            echoes[r].show(call, final=True)
+        return results
+
+    def _where(self, ranks: list[int]) -> str:
+        """Ask each rank to dump its stack (SIGUSR1, see _become_rank) and say where it is waiting."""
+        for r in ranks:
+            try:
+                os.kill(self._pids[r], signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        if ranks:
+            time.sleep(0.5)
+        parts = []
+        for r in ranks:
+            stack = self.run_dir / f"stack-rank{r}.txt"
+            where = _innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
+            parts.append(f"rank {r}" + (f" (in {where})" if where else ""))
+        return ", ".join(parts)
+
+    def __repr__(self):
+        if not self.running:
+            return "RankPool(not running)"
+        return f"RankPool({self.nproc} ranks, {self.device_backend}, {self.run_dir})"
+
+
+_NO_POOL = "no ranks are running; start one with `%ranks start --nproc N`"
+
+
+class _Lost(Exception):
+    """The ranks can no longer be trusted and must be restarted; `running` are the ranks still busy.
+
+    `error` is the exception the notebook gets once they are restarted.
+    """
+
+    def __init__(self, error: type, reason: str, running: list[int]):
+        super().__init__(reason)
+        self.error, self.reason, self.running = error, reason, running
+
+    def __str__(self):
+        return self.reason
+
+
+class _Echo:
+    """Copy one rank's output of one call to our stdout/stderr as it arrives, prefixed `[rank k] `."""
+
+    def __init__(self, rank: int):
+        self.prefix = f"[rank {rank}] "
+        self.shown = {"stdout": 0, "stderr": 0}  # characters already copied
+
+    def show(self, call, final: bool = False) -> None:
+        for name in ("stdout", "stderr"):
+            text = getattr(call, name)  # everything the rank printed in this call so far
+            end = len(text) if final else text.rfind("\n") + 1  # whole lines only, until the end
+            if end > self.shown[name]:
+                chunk = text[self.shown[name]:end]
+                stream = getattr(sys, name)
+                stream.write("".join(self.prefix + line for line in chunk.splitlines(keepends=True)))
+                if not chunk.endswith("\n"):
+                    stream.write("\n")
+                stream.flush()
+                self.shown[name] = end
+
+
+def _result(call) -> dict:
+    """A finished call's {"value": ...} or {"error": ...}, also when sending the value back failed."""
+    try:
+        return call.get(0)
+    except Exception as e:  # _on_rank catches the user's errors: this is a value that cannot be pickled
+        error = f"{e.ename}: {e.evalue}" if hasattr(e, "ename") else f"{type(e).__name__}: {e}"
+        return {"error": f"{error.splitlines()[0]} (sending the value back)", "traceback": ""}
+
+
+def _print_tracebacks(results: dict) -> None:
+    for r, res in sorted(results.items()):
+        if res.get("traceback"):
+            sys.stderr.write("".join(f"[rank {r}] {line}" for line in res["traceback"].splitlines(keepends=True)))
+    sys.stderr.flush()
+
+
+def _ranks_word(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _failure_line(errors: dict[int, str]) -> str:
+    """"rank 1 failed: ValueError: boom", ranks with the same error together."""
+    by_error: dict[str, list[int]] = {}
+    for r, error in sorted(errors.items()):
+        by_error.setdefault(error, []).append(r)
+    return "; ".join(f"{_ranks_word(rs)} failed: {error}" for error, rs in by_error.items())
+
+
+def _kill(pids: list[int], grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL whatever is left after `grace_s` (launch.kill_tree, for pids we did not Popen)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- inside the controller and engines
+
+def _serve() -> None:
+    """`python -c _SERVE MODULE ARGS...`: run ipyparallel's MODULE, but die with the pool's owner.
+
+    ipyparallel starts its controller and engines in sessions of their own, so they would outlive
+    a killed kernel. Linux's parent-death signal kills them with it, and children they fork
+    (the controller's heart monitor, a cell's workers) with them in turn. (The signal comes when
+    the thread that started them ends: the caller's, or in a kernel a thread of ipyparallel's
+    that lives as long as the kernel.)
+    """
+    die_with_parent(signal.SIGKILL)
+    os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
+    if os.getppid() != int(os.environ["LABSUPPORT_POOL_OWNER"]):
+        os._exit(1)  # the owner died before we asked to die with it
+    runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+
+
+_runtime = None  # on an engine: this rank's Runtime, entered by _become_rank, left by _leave_rank
+
+
+def _namespace() -> dict:
+    """The engine's user namespace: where cells run and where pull/push read and write."""
+    from IPython import get_ipython
+    return get_ipython().user_ns
+
+
+def _on_rank(fn, *args) -> dict:
+    """On a rank: fn(*args), with an exception turned into its traceback from the cell down."""
+    try:
+        return {"value": fn(*args)}
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+        tb = ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+              + "".join(traceback.format_exception_only(type(e), e))) if frames else ""
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0], "traceback": tb}
+
+
+def _become_rank(rank: int, world_size: int, port: int, seed: int, timeout_s: float) -> str:
+    """On an engine: take the identity torchrun would give rank `rank`, then enter `labsupport.init()`.
+
+    faulthandler is set up as in rank.py: SIGUSR1 dumps the stack (where is a hung rank
+    waiting?), and a crash in C++ leaves its stack in the same file.
+    """
+    global _runtime
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    stack = open(Path(os.environ["LABSUPPORT_RUN_DIR"]) / f"stack-rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
+    faulthandler.enable(file=stack, all_threads=False)  # the engine's other threads are ipyparallel's
+    from .runtime import init
+    _runtime = init(seed=seed, timeout_s=timeout_s).__enter__()
+    _namespace()["rt"] = _runtime
+    return f"{_runtime.device} + {_runtime.backend}"
+
+
+def _leave_rank() -> None:
+    if _runtime is not None:
+        _runtime.__exit__(None, None, None)
+
+
+def _run_cell(code: str, filename: str):
+    """On a rank: run a cell in the rank's namespace; like IPython, return a final expression's value."""
+    ns = _namespace()
+    tree = ast.parse(code, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), ns)
+    return eval(compile(ast.Expression(last.value), filename, "eval"), ns) if last else None
+
+
+def _get(name: str):
+    ns = _namespace()
+    if name not in ns:
+        raise NameError(f"name {name!r} is not defined")
+    return ns[name]
+
+
+def _set(values: dict) -> None:
+    _namespace().update(values)
+
+
+# ---------------------------------------------------------------- the notebook's pool and its magics
+
+ranks = RankPool()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one PoolError line, instead of a usage print and SystemExit."""
+
+    def error(self, message):
+        usage = " ".join(self.format_usage().split()[1:])
+        raise PoolError(f"{self.prog}: {message}; usage: {usage}")
+
+
+def _line_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="%ranks", add_help=False)
+    p.add_argument("action", choices=["start", "stop", "restart", "status"])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=DEFAULT_NOTEBOOK_TIMEOUT)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    return p
+
+
+def _cell_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="%%ranks", add_help=False)
+    p.add_argument("--ranks", default="all")
+    p.add_argument("--timeout", type=float, default=None)
+    return p
+
+
+def ranks_magic(line: str, cell: str | None = None, user_ns: dict | None = None):
+    """`%ranks start|stop|restart|status` and `%%ranks [--ranks 0,2] [--timeout S]` over `ranks`."""
+    if cell is not None:
+        opts = _cell_parser().parse_args(shlex.split(line))
+        values = ranks.run(cell, ranks=opts.ranks, timeout=opts.timeout)
+        return values if any(v is not None for v in values.values()) else None  # else no Out[]
+    opts = _line_parser().parse_args(shlex.split(line))
+    if opts.action == "stop":
+        was = ranks.nproc if ranks.running else 0
+        ranks.stop()
+        print(f"stopped {was} ranks" if was else "no ranks were running")
+    elif opts.action == "status":
+        print("\n".join(f"rank {r}: {state} (pid {ranks.pids[r]})" for r, state in ranks.status().items())
+              if ranks.running else _NO_POOL)
+    else:
+        if opts.action == "start":
+            ranks.start(opts.nproc, timeout=opts.timeout, seed=opts.seed, device=opts.device)
+        else:
+            ranks.restart()
+        if user_ns is not None:
+            user_ns["ranks"] = ranks  # so that the next cell can say ranks.pull("t")
+        print(f"{ranks.nproc} ranks ready in {ranks.start_s:.1f} s ({ranks.device_backend}); each has `rt`; "
+              f"run directory {ranks.run_dir}")
