@@ -1,21 +1,23 @@
 """Job scripts for several nodes: `labsupport jobscript --scheduler slurm|pbs --nodes N --gpus-per-node G -- CMD`.
 
 On a laptop, `labsupport launch` starts torchrun on 127.0.0.1. On a cluster, the scheduler gives
-us N nodes and the job script has to start the same ranks on all of them. The design:
+us N nodes and the job script has to start the same ranks on all of them. Two ways (`--launcher`):
 
-* the scheduler's launcher (`srun` on Slurm, `mpiexec` on PBS) starts ONE torchrun per node;
-* each torchrun starts one rank per GPU of its node and gives it RANK, LOCAL_RANK (its GPU),
-  WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Nothing is hard-coded: a rank's local rank comes
-  from torchrun, and `runtime` picks `cuda:LOCAL_RANK` + NCCL;
-* the torchruns find each other through a rendezvous (torchrun's `c10d` backend) hosted on the
-  first node of the allocation: `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1` on
-  Slurm, `head -n1 "$PBS_NODEFILE"` on PBS. The torchrun whose host name matches it hosts the
+* `torchrun` (the default, Slurm and PBS): the scheduler's launcher (`srun` on Slurm, `mpiexec`
+  on PBS) starts ONE torchrun per node. Each torchrun starts one rank per GPU of its node and
+  gives it RANK, LOCAL_RANK (its GPU), WORLD_SIZE, MASTER_ADDR and MASTER_PORT. The torchruns
+  find each other through a rendezvous (torchrun's `c10d` backend) hosted on the first node of
+  the allocation: `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1` on Slurm,
+  `head -n1 "$PBS_NODEFILE"` on PBS. The torchrun whose host name matches it hosts the
   rendezvous; the others connect to it.
+* `srun` (Slurm only): srun starts every rank itself, one task per GPU, each bound to its GPU
+  (`--gpu-bind=closest`), the way Frontier's own examples launch. Slurm tells each task its rank
+  (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), which `runtime` reads; the script exports
+  MASTER_ADDR (the first node) and MASTER_PORT for all of them.
 
-Why torchrun per node rather than one process per GPU started by srun/mpiexec directly: the
-per-node command is the same on both schedulers, torchrun sets every variable a rank needs in
-the one way `runtime` knows best, and the test suite runs exactly that per-node command on two
-network namespaces (tests/test_jobscript.py), so what the script launches is what was tested.
+torchrun per node is the default because the per-node command is the same on both schedulers,
+torchrun sets every variable a rank needs, and the test suite runs exactly that per-node command
+on two network namespaces (tests/test_jobscript.py), so what the script launches is what was tested.
 
 Only the job script knows multi-node addresses; single-node runs keep binding to 127.0.0.1.
 """
@@ -29,6 +31,7 @@ import shlex
 import sys
 
 SCHEDULERS = ("slurm", "pbs")
+LAUNCHERS = ("torchrun", "srun")
 # Cores per GPU that the job asks for. 7 fits every machine the workshop uses:
 # Frontier (8 GCDs, 56 usable cores), Polaris (4 GPUs, 32 cores), DGX A100/H100 (8 GPUs, 128+ cores).
 DEFAULT_CPUS_PER_GPU = 7
@@ -70,7 +73,7 @@ def rank_command(command: list[str], world_size: int) -> tuple[str, list[str], s
     head = os.path.basename(command[0])
     if head in ("torchrun", "srun", "mpiexec", "mpirun") or "torch.distributed.run" in command[:3]:
         raise ValueError(f"give the command each rank runs, without {command[0]}: the job script starts "
-                         "torchrun on every node itself (e.g. -- labsupport train --strategy ddp)")
+                         "the ranks itself (e.g. -- labsupport train --strategy ddp)")
     if head == "labsupport":
         if command[1:2] != ["train"]:
             raise ValueError(f"`labsupport {' '.join(command[1:2])}` runs on this machine only; in a job give "
@@ -111,9 +114,22 @@ def _check_train_args(argv: list[str], world_size: int) -> str | None:
     return args.run_dir
 
 
-def _check(scheduler, nodes, gpus_per_node, time, job_name, port, account, queue, cpus_per_gpu) -> None:
+def _check(scheduler, nodes, gpus_per_node, time, job_name, port, account, queue, cpus_per_gpu,
+           launcher, frontier, ofi_plugin) -> None:
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler must be slurm or pbs, got {scheduler!r}")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be torchrun or srun, got {launcher!r}")
+    if launcher == "srun" and scheduler == "pbs":
+        raise ValueError("--launcher srun needs Slurm: PBS has no srun (its scripts start torchrun with mpiexec)")
+    if frontier and scheduler == "pbs":
+        raise ValueError("--frontier needs Slurm: Frontier's scheduler is Slurm")
+    if ofi_plugin is not None:
+        if not frontier:
+            raise ValueError("--ofi-plugin goes with --frontier: give both")
+        if not isinstance(ofi_plugin, str) or not os.path.isabs(ofi_plugin) or ":" in ofi_plugin:
+            raise ValueError(f"--ofi-plugin must be an absolute directory without ':' (the ranks on every "
+                             f"node read it from LD_LIBRARY_PATH), got {ofi_plugin!r}")
     for name, value in (("nodes", nodes), ("gpus-per-node", gpus_per_node), ("cpus-per-gpu", cpus_per_gpu)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -143,13 +159,18 @@ def _quote(words: list[str], ours: bool) -> list[str]:
     return out
 
 
-def _launch_lines(launcher: list[str], per_node: list[str], target: list[str], width: int = 96) -> str:
-    """The launch command, one idea per line: launcher, torchrun, sizes, rendezvous, the rank's command."""
+def _torchrun_lines(per_node: list[str]) -> list[str]:
+    """torchrun's part of the launch command, one idea per line: torchrun, sizes, rendezvous."""
     python, torchrun, sizes, rendezvous = per_node[0], per_node[1:3], per_node[3:5], per_node[5:8]
-    lines = [*launcher, " ".join([shlex.quote(python), *torchrun]), " ".join(_quote(sizes, True)),
-             " ".join(_quote(rendezvous, True))]
+    return [" ".join([shlex.quote(python), *torchrun]), " ".join(_quote(sizes, True)),
+            " ".join(_quote(rendezvous, True))]
+
+
+def _launch_lines(lines: list[str], command: list[str], width: int = 96) -> str:
+    """The launch command, one idea per line: `lines` as they are, then the user's `command`."""
+    lines = list(lines)
     current = ""
-    for word in _quote(target, False):  # the rank's command, wrapped between words
+    for word in _quote(command, False):  # the rank's command, wrapped between words
         if current and len(current) + 1 + len(word) > width:
             lines.append(current)
             current = word
@@ -159,18 +180,71 @@ def _launch_lines(launcher: list[str], per_node: list[str], target: list[str], w
     return " \\\n    ".join(lines)
 
 
+# Where the ranks meet, as the job script explains it.
+HEAD_NOTE = {
+    "torchrun": "# The rendezvous runs on the first node of the allocation (where this script runs, too).\n"
+                "# Every node must be able to reach it under this name.",
+    "srun": "# Rank 0 runs on the first node of the allocation (where this script runs, too): srun hands\n"
+            "# out ranks node by node. Every node must be able to reach it under this name.",
+}
+
+
+def _slurm_tasks(srun: bool, gpus_per_node: int, cpus_per_gpu: int) -> str:
+    """The #SBATCH lines for tasks, GPUs and cores: one task per node (torchrun) or per GPU (srun)."""
+    if srun:
+        return f"""\
+# One task per GPU: each task is one rank, started by srun below.
+#SBATCH --ntasks-per-node={gpus_per_node}
+#SBATCH --gpus-per-node={gpus_per_node}
+# Each task (rank) gets {cpus_per_gpu} cores.
+#SBATCH --cpus-per-task={cpus_per_gpu}"""
+    return f"""\
+# One task per node: that task is torchrun, and torchrun starts one rank per GPU.
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus_per_node}
+# The task gets {cpus_per_gpu} cores per GPU; its ranks share them (runtime splits threads between them).
+#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}"""
+
+
+def _frontier_lines(ofi_plugin: str | None) -> str:
+    """The network settings for RCCL on Frontier's Slingshot network, each with the reason for it."""
+    if ofi_plugin:
+        plugin = f"export LD_LIBRARY_PATH={shlex.quote(ofi_plugin)}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
+    else:
+        plugin = ("# No --ofi-plugin given: put the plugin's lib directory (your build, or your site's) here.\n"
+                  "# export LD_LIBRARY_PATH=/path/to/aws-ofi-rccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    return f"""\
+# Frontier (--frontier). RCCL, the NCCL of AMD GPUs, reaches the Slingshot network through the
+# aws-ofi-rccl plugin (librccl-net.so, found on LD_LIBRARY_PATH); without it, RCCL falls back to
+# TCP sockets, which are much slower.
+{plugin}
+# libfabric's Slingshot provider (cxi): register memory without PCIe Address Translation Services
+# (ATS); Frontier runs RCCL through the plugin with this setting.
+export FI_CXI_ATS=0
+# GPUDirect RDMA: the network card reads and writes GPU memory directly, with no copy through host
+# memory, even where the path crosses the CPU's PCIe host bridge (level 3 = PHB). Faster; remove
+# this line if the job hangs or crashes at the first collective.
+export NCCL_NET_GDR_LEVEL=3
+
+"""
+
+
 def render(scheduler: str, nodes: int, gpus_per_node: int, command: list[str], account: str | None = None,
            time: str = "00:30:00", job_name: str = "labsupport", port: int = 29500, queue: str | None = None,
-           cpus_per_gpu: int = DEFAULT_CPUS_PER_GPU) -> str:
+           cpus_per_gpu: int = DEFAULT_CPUS_PER_GPU, launcher: str = "torchrun", frontier: bool = False,
+           ofi_plugin: str | None = None) -> str:
     """The text of a Slurm or PBS job script that runs `command` on `nodes` x `gpus_per_node` ranks.
 
     `command` is what one rank runs, e.g. `["labsupport", "train", "--strategy", "ddp"]`.
-    `queue` is Slurm's partition or PBS's queue. Raises ValueError (one line) on bad input.
+    `queue` is Slurm's partition or PBS's queue. `launcher` is "torchrun" (one per node) or "srun"
+    (Slurm starts every rank). `frontier` adds the network settings for RCCL on Slingshot, with the
+    aws-ofi-rccl plugin from `ofi_plugin`. Raises ValueError (one line) on bad input.
     """
-    _check(scheduler, nodes, gpus_per_node, time, job_name, port, account, queue, cpus_per_gpu)
+    _check(scheduler, nodes, gpus_per_node, time, job_name, port, account, queue, cpus_per_gpu,
+           launcher, frontier, ofi_plugin)
     python, target, run_dir = rank_command(command, nodes * gpus_per_node)
+    srun = launcher == "srun"
     cpus = cpus_per_gpu * gpus_per_node
-    per_node = torchrun_command("$NNODES", "$GPUS_PER_NODE", "$HEAD_NODE", "$PORT", "$JOB_ID", [], python)
     world = nodes * gpus_per_node
     run_dir_value = f'"$PWD/runs/{job_name}-$JOB_ID"' if run_dir is None else shlex.quote(run_dir)
     if scheduler == "slurm":
@@ -186,11 +260,7 @@ def render(scheduler: str, nodes: int, gpus_per_node: int, command: list[str], a
 {f"#SBATCH --account={account}" if account else "# no account given: add #SBATCH --account=PROJECT if your site needs one"}
 {f"#SBATCH --partition={queue}" if queue else "# default partition: add #SBATCH --partition=NAME to choose one"}
 #SBATCH --nodes={nodes}
-# One task per node: that task is torchrun, and torchrun starts one rank per GPU.
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={gpus_per_node}
-# The task gets {cpus_per_gpu} cores per GPU; its ranks share them (runtime splits threads between them).
-#SBATCH --cpus-per-task={cpus}
+{_slurm_tasks(srun, gpus_per_node, cpus_per_gpu)}
 #SBATCH --time={time}
 # One log per job (stdout and stderr): <job name>-<job id>.out.
 #SBATCH --output=%x-%j.out
@@ -202,17 +272,28 @@ set -eu
 
 NNODES=$SLURM_JOB_NUM_NODES
 GPUS_PER_NODE={gpus_per_node}
-CPUS_PER_NODE={cpus}
+{f"CPUS_PER_GPU={cpus_per_gpu}" if srun else f"CPUS_PER_NODE={cpus}"}
 JOB_ID=$SLURM_JOB_ID
-# The rendezvous runs on the first node of the allocation (where this script runs, too).
-# Every node must be able to reach it under this name.
+{HEAD_NOTE[launcher]}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 """
-        launcher = ['srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_NODE"',
-                    '--gpus-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1']
-        launcher_why = ("# srun starts one torchrun per node (--ntasks-per-node=1) with all of the node's GPUs;\n"
-                        "# --kill-on-bad-exit stops every node as soon as one fails, instead of letting the\n"
-                        "# others wait in a collective until the time limit.")
+        if srun:
+            launch = ['srun --nodes="$NNODES" --ntasks-per-node="$GPUS_PER_NODE" --cpus-per-task="$CPUS_PER_GPU"',
+                      '--gpus-per-node="$GPUS_PER_NODE" --gpu-bind=closest --kill-on-bad-exit=1']
+            launch_why = f"""\
+# srun starts every rank itself: one task per GPU, {gpus_per_node} per node. --gpu-bind=closest gives each task
+# the GPU nearest to its cores, so each rank sees exactly one GPU (cuda:0). Slurm tells every task
+# its rank (SLURM_PROCID), the number of ranks (SLURM_NTASKS) and its place on its node
+# (SLURM_LOCALID); labsupport's init() reads them (a script of your own: `with labsupport.init()`).
+# srun passes this script's environment on, MASTER_ADDR and MASTER_PORT with it.
+# --kill-on-bad-exit stops every rank as soon as one fails, instead of letting the others wait
+# in a collective until the time limit."""
+        else:
+            launch = ['srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_NODE"',
+                      '--gpus-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1']
+            launch_why = ("# srun starts one torchrun per node (--ntasks-per-node=1) with all of the node's GPUs;\n"
+                          "# --kill-on-bad-exit stops every node as soon as one fails, instead of letting the\n"
+                          "# others wait in a collective until the time limit.")
         environment_note = "# sbatch passes on the environment you submitted from; if your site does not, activate it here:"
     else:
         head = f"""\
@@ -244,17 +325,36 @@ cd "$PBS_O_WORKDIR"  # PBS starts jobs in $HOME; work where qsub was run
 NNODES=$(sort -u "$PBS_NODEFILE" | wc -l)
 GPUS_PER_NODE={gpus_per_node}
 JOB_ID=${{PBS_JOBID%%.*}}
-# The rendezvous runs on the first node of the allocation (where this script runs, too).
-# Every node must be able to reach it under this name.
+{HEAD_NOTE[launcher]}
 HEAD_NODE=$(head -n1 "$PBS_NODEFILE")
 """
-        launcher = ['mpiexec -n "$NNODES" --ppn 1 --hostfile "$PBS_NODEFILE" --envall']
-        launcher_why = ("# mpiexec starts one torchrun per node (-n NNODES --ppn 1) and passes this environment on\n"
-                        "# (--envall). That is MPICH / Cray PALS syntax (Polaris); with Open MPI, use\n"
-                        "# `--map-by ppr:1:node` instead of `--ppn 1` and pass variables with `-x NAME`.")
+        launch = ['mpiexec -n "$NNODES" --ppn 1 --hostfile "$PBS_NODEFILE" --envall']
+        launch_why = ("# mpiexec starts one torchrun per node (-n NNODES --ppn 1) and passes this environment on\n"
+                      "# (--envall). That is MPICH / Cray PALS syntax (Polaris); with Open MPI, use\n"
+                      "# `--map-by ppr:1:node` instead of `--ppn 1` and pass variables with `-x NAME`.")
         environment_note = "# PBS does not pass on the environment you submitted from: activate it here, e.g."
+    if srun:
+        meeting = "rank 0"
+        masters = """\
+# Every rank finds rank 0 here: torch.distributed's env:// rendezvous reads these two.
+export MASTER_ADDR=$HEAD_NODE
+export MASTER_PORT=$PORT
+
+"""
+        torchrun_note = ""
+        lines, rank_words = launch, [python, *target]  # srun runs the rank's command directly
+    else:
+        meeting, masters = "rendezvous", ""
+        torchrun_note = f"""\
+# Each torchrun starts one rank per GPU (LOCAL_RANK 0..{gpus_per_node - 1} picks the GPU) and joins the
+# rendezvous on $HEAD_NODE; the job's id keeps it apart from any other job's rendezvous.
+"""
+        per_node = torchrun_command("$NNODES", "$GPUS_PER_NODE", "$HEAD_NODE", "$PORT", "$JOB_ID", [], python)
+        lines, rank_words = [*launch, *_torchrun_lines(per_node)], target
     body = f"""\
-# Any free TCP port on the head node; all nodes must be allowed to connect to it.
+# The ranks meet on the head node at this TCP port (--port). Nothing checks that it is free: if
+# another program there already listens on it, the job fails at start-up; give another --port.
+# Every node must be allowed to connect to it.
 PORT={port}
 
 # Software environment: the same Python environment on every node (on a shared filesystem).
@@ -272,12 +372,11 @@ mkdir -p "$LABSUPPORT_RUN_DIR"
 # export GLOO_SOCKET_IFNAME=hsn0
 # export NCCL_DEBUG=INFO            # NCCL then logs the interface and transport it picked
 
-echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR"
+{_frontier_lines(ofi_plugin) if frontier else ""}{masters}\
+echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR"
 
-{launcher_why}
-# Each torchrun starts one rank per GPU (LOCAL_RANK 0..{gpus_per_node - 1} picks the GPU) and joins the
-# rendezvous on $HEAD_NODE; the job's id keeps it apart from any other job's rendezvous.
-{_launch_lines(launcher, per_node, target)}
+{launch_why}
+{torchrun_note}{_launch_lines(lines, rank_words)}
 """
     return head + "\n" + body
 
@@ -293,8 +392,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--queue", default=None, help="Slurm partition or PBS queue")
     p.add_argument("--time", default="00:30:00", help="time limit, HH:MM:SS")
     p.add_argument("--job-name", default="labsupport")
-    p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node")
+    p.add_argument("--port", type=int, default=29500,
+                   help="TCP port on the first node where the ranks meet; pick another if it is taken")
     p.add_argument("--cpus-per-gpu", type=int, default=DEFAULT_CPUS_PER_GPU)
+    p.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
+                   help="torchrun: one torchrun per node starts the ranks (default); "
+                        "srun: Slurm starts one rank per GPU itself")
+    p.add_argument("--frontier", action="store_true",
+                   help="Slurm: add the network settings for RCCL on Frontier's Slingshot network")
+    p.add_argument("--ofi-plugin", default=None, metavar="DIR",
+                   help="with --frontier: the lib directory of the aws-ofi-rccl plugin, put on LD_LIBRARY_PATH")
     p.add_argument("--output", default=None, help="write the script here (default: print it)")
     # dest is not "command": cli.py keeps the subcommand's name there.
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -309,7 +416,8 @@ def run_cli(args) -> int:
         command = command[1:]
     script = render(args.scheduler, args.nodes, args.gpus_per_node, command, account=args.account,
                     time=args.time, job_name=args.job_name, port=args.port, queue=args.queue,
-                    cpus_per_gpu=args.cpus_per_gpu)
+                    cpus_per_gpu=args.cpus_per_gpu, launcher=args.launcher, frontier=args.frontier,
+                    ofi_plugin=args.ofi_plugin)
     submit = "sbatch" if args.scheduler == "slurm" else "qsub"
     if args.output:
         try:

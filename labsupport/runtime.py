@@ -94,8 +94,13 @@ def pick_device(local_rank: int, local_world_size: int) -> tuple[torch.device, s
         "or set LABSUPPORT_DEVICE=cpu to run on CPU with gloo")
 
 
-def threads_per_rank(local_world_size: int) -> int:
-    """Split the cores between the ranks of one machine so they don't oversubscribe it."""
+def threads_per_rank(local_world_size: int, launcher: str = "torchrun") -> int:
+    """Threads for one rank: the cores of the machine split between its ranks, so they don't
+    oversubscribe it; or, for a rank that srun started as its own task (`--cpus-per-task=C`), the C
+    cores Slurm already set aside for it."""
+    given = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if launcher == "slurm" and given.isdigit():
+        return max(1, min(int(given), _cpu_count()))
     return max(1, _cpu_count() // max(1, local_world_size))
 
 
@@ -138,7 +143,7 @@ class Runtime:
             os.environ.setdefault("RANK", str(self.info.rank))
             os.environ.setdefault("WORLD_SIZE", str(self.info.world_size))
             os.environ.setdefault("LOCAL_RANK", str(self.info.local_rank))
-        torch.set_num_threads(threads_per_rank(self.info.local_world_size))
+        torch.set_num_threads(threads_per_rank(self.info.local_world_size, self.info.launcher))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.distributed and not dist.is_initialized():

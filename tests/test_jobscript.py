@@ -3,7 +3,8 @@
 The schedulers themselves are not here, so the tests go as far as they can without them:
 the scripts are checked by bash, run with stand-ins for srun/scontrol/mpiexec/python that
 record the per-node command, and that per-node command then trains for real on two
-"nodes": two network namespaces joined by a virtual cable.
+"nodes": two network namespaces joined by a virtual cable. With `--launcher srun`, a stand-in
+srun starts one process per task with Slurm's task variables, and the ranks train for real.
 """
 import json
 import os
@@ -16,7 +17,7 @@ import time
 import pytest
 
 from conftest import processes_of
-from labsupport import jobscript
+from labsupport import cli, jobscript, runtime
 from labsupport.jobscript import render, torchrun_command
 
 TRAIN = ["labsupport", "train", "--strategy", "ddp", "--model", "nano", "--steps", "1000",
@@ -97,16 +98,75 @@ def test_run_dir_of_the_training_command_becomes_the_jobs_run_directory():
     assert "export LABSUPPORT_RUN_DIR='/scratch/me/run 1'" in script
 
 
+def test_srun_launcher_starts_one_rank_per_gpu_itself(tmp_path):
+    script = render("slurm", 2, 8, TRAIN, launcher="srun")
+    bash_ok(script, tmp_path)
+    sbatch = directives(script, "#SBATCH")
+    assert {"--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=7"} <= set(sbatch)
+    assert ('srun --nodes="$NNODES" --ntasks-per-node="$GPUS_PER_NODE" --cpus-per-task="$CPUS_PER_GPU" \\\n'
+            '    --gpus-per-node="$GPUS_PER_NODE" --gpu-bind=closest --kill-on-bad-exit=1 \\\n'
+            "    python -m labsupport.train --strategy ddp --model nano --steps 1000 --data 'my corpus.txt'\n") in script
+    # rank 0's address for every rank; Slurm itself gives each task its rank
+    assert "export MASTER_ADDR=$HEAD_NODE\nexport MASTER_PORT=$PORT\n" in script
+    assert "torch.distributed.run" not in script and "rdzv" not in script and "RANK=" not in script
+
+
+def test_frontier_adds_the_network_settings_each_with_its_reason(tmp_path):
+    for launcher in ("torchrun", "srun"):
+        script = render("slurm", 2, 8, TRAIN, launcher=launcher, frontier=True, ofi_plugin="/sw/aws ofi-rccl/lib")
+        bash_ok(script, tmp_path)
+        lines = script.splitlines()
+        for setting in ("export LD_LIBRARY_PATH='/sw/aws ofi-rccl/lib'${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}",
+                        "export FI_CXI_ATS=0", "export NCCL_NET_GDR_LEVEL=3"):
+            assert lines[lines.index(setting) - 1].startswith("# "), f"no comment explains {setting}"
+    # no plugin directory given: none is made up; a commented line says where it goes
+    script = render("slurm", 2, 8, TRAIN, frontier=True)
+    assert "# export LD_LIBRARY_PATH=/path/to/aws-ofi-rccl/lib" in script and "\nexport LD_LIBRARY_PATH" not in script
+    assert "export FI_CXI_ATS=0" in script
+    for plain in (render("slurm", 2, 8, TRAIN), render("pbs", 2, 4, TRAIN)):
+        assert "FI_CXI" not in plain and "NCCL_NET_GDR_LEVEL" not in plain and "LD_LIBRARY_PATH" not in plain
+
+
+def test_port_comment_does_not_promise_a_free_port():
+    script = render("slurm", 2, 4, TRAIN, port=29611)
+    assert "PORT=29611" in script
+    assert "Nothing checks that it is free" in script and "Any free TCP port" not in script
+
+
 # ---------------------------------------------------------------- what the scripts launch
 
 FAKE_PYTHON = """#!/bin/sh
-# stands in for python on a compute node: record what torchrun would have been asked to do
-exec @PYTHON@ -c 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR")}))' "$@" >> @LOG@
+# stands in for python on a compute node: record what it was asked to run, and the variables it got
+exec @PYTHON@ -c '
+import json, os, sys
+env = {k: v for k, v in os.environ.items()
+       if k.startswith(("SLURM_", "MASTER_")) or k in ("LD_LIBRARY_PATH", "FI_CXI_ATS", "NCCL_NET_GDR_LEVEL")}
+print(json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR"), "env": env}))
+' "$@" >> @LOG@
 """
 FAKE_SRUN = """#!/bin/sh
 # stands in for srun: record our options, then run the command once (for one node)
 while [ "${1#-}" != "$1" ]; do printf "%s\n" "$1" >> @LOG@; shift; done
 exec "$@"
+"""
+FAKE_SRUN_TASKS = """#!/bin/sh
+# stands in for srun starting the ranks itself: record our options, then start one process per task
+# with the variables Slurm gives each task, and wait for them all
+exec @PYTHON@ -c '
+import os, subprocess, sys
+log, args, options = sys.argv[1], sys.argv[2:], {}
+while args[0].startswith("--"):
+    option = args.pop(0)
+    with open(log, "a") as f:
+        print(option, file=f)
+    key, _, value = option[2:].partition("=")
+    options[key] = value
+nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+tasks = [subprocess.Popen(args, env={**os.environ, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(nodes * per_node),
+                                     "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node)})
+         for rank in range(nodes * per_node)]
+sys.exit(max(task.wait() for task in tasks))
+' @LOG@ "$@"
 """
 FAKE_SCONTROL = """#!/bin/sh
 [ "$1 $2 $3" = "show hostnames node-[a-b]" ] || exit 3
@@ -130,19 +190,20 @@ def fake_tools(tmp_path, **tools) -> dict:
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def run_script(script, tmp_path, env):
+def run_script(script, tmp_path, env) -> list[dict]:
+    """Run the job script with the stand-ins; what each `python` it started recorded."""
     path = tmp_path / "job.sh"
     path.write_text(script)
     res = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    return json.loads((tmp_path / "python.log").read_text().splitlines()[-1])
+    return [json.loads(line) for line in (tmp_path / "python.log").read_text().splitlines()]
 
 
 def test_slurm_script_launches_exactly_torchrun_command(tmp_path):
     env = fake_tools(tmp_path, python=FAKE_PYTHON, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
     env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-[a-b]",
                SLURM_JOB_NAME="labsupport")
-    got = run_script(render("slurm", 2, 4, TRAIN), tmp_path, env)
+    (got,) = run_script(render("slurm", 2, 4, TRAIN), tmp_path, env)
     target = ["-m", "labsupport.train", *TRAIN[2:]]
     assert got["argv"] == torchrun_command(2, 4, "node-a", 29500, "4242", target)[1:]
     assert got["run_dir"] == str(tmp_path / "runs" / "labsupport-4242") and os.path.isdir(got["run_dir"])
@@ -158,11 +219,64 @@ def test_pbs_script_launches_exactly_torchrun_command(tmp_path):
     workdir.mkdir()
     env.update(PBS_JOBID="777.pbs-server.example.org", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(workdir),
                PBS_JOBNAME="gpt")
-    got = run_script(render("pbs", 2, 4, TRAIN, job_name="gpt"), tmp_path, env)
+    (got,) = run_script(render("pbs", 2, 4, TRAIN, job_name="gpt"), tmp_path, env)
     target = ["-m", "labsupport.train", *TRAIN[2:]]
     assert got["argv"] == torchrun_command(2, 4, "x1001c0s0b0n0.hsn.example.org", 29500, "777", target)[1:]
     assert got["run_dir"] == str(workdir / "runs" / "gpt-777")
     assert (tmp_path / "mpiexec.log").read_text().split()[:4] == ["-n", "2", "--ppn", "1"]
+
+
+def test_srun_script_gives_every_rank_what_runtime_reads(tmp_path):
+    env = fake_tools(tmp_path, python=FAKE_PYTHON, srun=FAKE_SRUN_TASKS, scontrol=FAKE_SCONTROL)
+    # sbatch's variables; SLURM_NTASKS_PER_NODE comes from the script's --ntasks-per-node
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-[a-b]",
+               SLURM_NTASKS_PER_NODE="4")
+    env.pop("LD_LIBRARY_PATH", None)  # unset: the script must not trip over it under `set -u`
+    script = render("slurm", 2, 4, TRAIN, launcher="srun", port=29611, frontier=True,
+                    ofi_plugin="/sw/aws ofi-rccl/lib")
+    got = run_script(script, tmp_path, env)
+    ranks = sorted((runtime.detect(r["env"]) for r in got), key=lambda info: info.rank)
+    assert [(i.rank, i.world_size, i.local_rank, i.local_world_size, i.launcher) for i in ranks] == \
+        [(rank, 8, rank % 4, 4, "slurm") for rank in range(8)]
+    for r in got:
+        assert r["argv"] == ["-m", "labsupport.train", *TRAIN[2:]]
+        assert r["run_dir"] == str(tmp_path / "runs" / "labsupport-4242")
+        assert {k: r["env"][k] for k in ("MASTER_ADDR", "MASTER_PORT", "LD_LIBRARY_PATH", "FI_CXI_ATS",
+                                          "NCCL_NET_GDR_LEVEL")} == \
+            {"MASTER_ADDR": "node-a", "MASTER_PORT": "29611", "LD_LIBRARY_PATH": "/sw/aws ofi-rccl/lib",
+             "FI_CXI_ATS": "0", "NCCL_NET_GDR_LEVEL": "3"}
+    srun_options = set((tmp_path / "srun.log").read_text().split())
+    assert {"--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=7", "--gpu-bind=closest",
+            "--kill-on-bad-exit=1"} <= srun_options
+
+
+@pytest.mark.multiprocess
+def test_srun_script_trains_for_real(tmp_path):
+    """One "node", two ranks started by the srun stand-in: they find rank 0 through MASTER_ADDR and
+    MASTER_PORT alone, and train together."""
+    from labsupport.launch import free_port, kill_tree
+
+    env = fake_tools(tmp_path, srun=FAKE_SRUN_TASKS, scontrol="#!/bin/sh\necho 127.0.0.1\n")
+    env.update(SLURM_JOB_ID="4343", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
+               SLURM_NTASKS_PER_NODE="2", LABSUPPORT_DEVICE="cpu")
+    script = render("slurm", 1, 2, [sys.executable, "-m", "labsupport.train", *STEPS_ARGS], launcher="srun",
+                    port=free_port())
+    (tmp_path / "job.sh").write_text(script)
+    run_dir = tmp_path / "runs" / "labsupport-4343"
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen(["bash", "job.sh"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            job.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if job.poll() is None:
+                kill_tree(job)
+    assert job.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert processes_of(run_dir) == []
+    reports = [json.loads((run_dir / f"report-rank{r}.jsonl").read_text().splitlines()[-1]) for r in (0, 1)]
+    assert [r["world_size"] for r in reports] == [2, 2]
+    assert len(reports[0]["losses"]) == 6
 
 
 def test_script_refuses_to_run_outside_a_job(tmp_path):
@@ -189,7 +303,13 @@ def test_script_refuses_to_run_outside_a_job(tmp_path):
     ({"account": "ABC\n#SBATCH --nodes=99"}, "account must be one word"),
     ({"job_name": "my job"}, "job name must start with a letter"),
     ({"command": ["torchrun", "--nproc-per-node=4", "train.py"]}, "without torchrun"),
-    ({"command": ["python", "-m", "torch.distributed.run", "train.py"]}, "the job script starts torchrun"),
+    ({"command": ["python", "-m", "torch.distributed.run", "train.py"]}, "the job script starts the ranks itself"),
+    ({"launcher": "mpirun"}, "launcher must be torchrun or srun"),
+    ({"scheduler": "pbs", "launcher": "srun"}, "--launcher srun needs Slurm: PBS has no srun"),
+    ({"scheduler": "pbs", "frontier": True}, "--frontier needs Slurm"),
+    ({"ofi_plugin": "/sw/aws-ofi-rccl/lib"}, "--ofi-plugin goes with --frontier"),
+    ({"frontier": True, "ofi_plugin": "aws-ofi-rccl/lib"}, "--ofi-plugin must be an absolute directory"),
+    ({"frontier": True, "ofi_plugin": "/a/lib:/b/lib"}, "--ofi-plugin must be an absolute directory"),
     ({"command": ["bash", "train.sh"]}, "cannot run"),
     ({"command": ["python"]}, "cannot run"),
     ({"command": ["labsupport", "launch", "--nproc", "2", "x.py"]}, "runs on this machine only"),
@@ -229,6 +349,24 @@ def test_main_reports_a_mistake_in_one_line(capsys):
     assert jobscript.main(["--scheduler", "slurm", "--nodes", "0", "--gpus-per-node", "4", "--", *TRAIN]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "labsupport jobscript: error: nodes must be an integer >= 1, got 0"
+
+
+def test_labsupport_jobscript_takes_the_launcher_options(capsys):
+    argv = ["jobscript", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--launcher", "srun",
+            "--frontier", "--ofi-plugin", "/sw/aws-ofi-rccl/lib", "--", *TRAIN]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == render("slurm", 2, 8, TRAIN, launcher="srun", frontier=True,
+                                             ofi_plugin="/sw/aws-ofi-rccl/lib")
+
+    pbs = ["jobscript", "--scheduler", "pbs", "--nodes", "2", "--gpus-per-node", "4", "--launcher", "srun", "--", *TRAIN]
+    assert cli.main(pbs) == 2
+    assert capsys.readouterr().err == ("labsupport jobscript: error: --launcher srun needs Slurm: PBS has no srun "
+                                       "(its scripts start torchrun with mpiexec)\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jobscript", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--launcher", "mpirun"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --launcher: invalid choice: 'mpirun'" in err
 
 
 # ---------------------------------------------------------------- two nodes, for real

@@ -42,6 +42,17 @@ def test_cpu_gets_gloo_and_threads_are_split(monkeypatch):
     assert runtime.threads_per_rank(4) == 2 and runtime.threads_per_rank(16) == 1
 
 
+def test_a_rank_srun_started_with_its_own_cores_uses_them(monkeypatch):
+    """Frontier's launch: srun --ntasks-per-node=8 --cpus-per-task=7 gives each rank 7 cores of 56;
+    under torchrun on the same node (one task of 56 cores, 8 ranks) the 56 are split."""
+    monkeypatch.setattr(runtime, "_cpu_count", lambda: 7)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "7")
+    assert runtime.threads_per_rank(8, launcher="slurm") == 7
+    monkeypatch.setattr(runtime, "_cpu_count", lambda: 56)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "56")
+    assert runtime.threads_per_rank(8, launcher="torchrun") == 7
+
+
 def test_cuda_available_but_no_device_is_cpu(monkeypatch):
     _gpus(monkeypatch, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
