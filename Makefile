@@ -14,10 +14,17 @@ TORCH_INDEX ?=
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# What .venv holds, one stamp per step, each on top of the one before: pip and the pinned torch;
+# the package with [lab] (all that `make lab` needs); the test tools, [dev]. So `make test` after
+# `make lab` only adds the test tools.
+TORCH_STAMP := $(VENV)/.torch
+LAB_STAMP := $(VENV)/.lab
+DEV_STAMP := $(VENV)/.dev
 RUNS := $(CURDIR)/runs
 CHROMIUM := /usr/bin/chromium
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
+# The attendee's copy of the notebooks, which `make lab` serves (git-ignored).
+WORK := work
 
 # JupyterLab listens on this address only; add options with LAB_ARGS="--port=8899 --no-browser".
 LAB_IP ?= 127.0.0.1
@@ -31,26 +38,34 @@ PYTEST_ARGS ?=
 # Headless pytest processes fall back to Agg on their own.
 RUN_ENV := LABSUPPORT_RUNS="$(RUNS)"
 
-.PHONY: help venv browser test lab notebooks clean distclean
+.PHONY: help venv browser test lab lab-fresh notebooks clean distclean
 
 help:
 	@echo "labsupport workbook"
 	@echo
-	@echo "  make lab        install (once) and start JupyterLab on $(LAB_IP) in notebooks/ (LAB_ARGS=...)"
+	@echo "  make lab        install (once) and start JupyterLab on $(LAB_IP) in $(WORK)/, your copy of the notebooks (LAB_ARGS=...)"
+	@echo "  make lab-fresh  move $(WORK)/ aside to $(WORK).bak-DATE-TIME, then make lab with fresh copies"
 	@echo "  make test       unit, multi-process, notebook (nbval) and browser tests"
 	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
-	@echo "  make venv       create .venv: $(TORCH_PIN) first, then the package with [dev]"
+	@echo "  make venv       create .venv: $(TORCH_PIN) first, then the package with [lab] and [dev]"
 	@echo "  make browser    make sure Chromium is there for the browser tests (apt-get, as root)"
 	@echo "  make clean      remove runs/ and caches (keeps .venv)"
-	@echo "  make distclean  clean, and remove .venv too"
+	@echo "  make distclean  clean, and remove .venv too (never $(WORK)/)"
 
-venv: $(STAMP)
+venv: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(TORCH_STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
-	$(VPY) -m pip install -e ".[dev]"
+	touch $@
+
+$(LAB_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(VPY) -m pip install -e ".[lab]"
+	touch $@
+
+$(DEV_STAMP): $(LAB_STAMP)
+	$(VPY) -m pip install -e ".[lab,dev]"
 	touch $@
 
 # Never fails: without Chromium the browser tests skip themselves.
@@ -66,7 +81,7 @@ browser:
 		echo "browser: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get); browser tests will be skipped"; \
 	fi
 
-test: $(STAMP) browser
+test: $(DEV_STAMP) browser
 	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
@@ -75,11 +90,32 @@ test: $(STAMP) browser
 # As root (a container, a CI box) JupyterLab refuses to start without --allow-root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-lab: $(STAMP)
-	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
+# JupyterLab saves outputs into the notebooks it runs, so it serves a copy, $(WORK)/, and the
+# tracked notebooks/ stay as they are (`git pull` never conflicts). The copy is made on first use
+# and never overwritten: only a notebook it lacks (new upstream, or deleted to start it over) is
+# copied in. README.md and ARCHITECTURE.md are links to the real ones, laid out as in the repo,
+# so the README's links open the copies.
+lab: $(LAB_STAMP)
+	@mkdir -p $(WORK)/notebooks
+	@for f in README.md ARCHITECTURE.md; do \
+		[ -e "$(WORK)/$$f" ] || [ -L "$(WORK)/$$f" ] || ln -s "../$$f" "$(WORK)/$$f"; \
+	done
+	@for nb in $(NOTEBOOKS); do \
+		[ -e "$(WORK)/$$nb" ] || { cp "$$nb" "$(WORK)/$$nb" && echo "lab: copied $$nb to $(WORK)/$$nb"; }; \
+	done
+	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=$(WORK) --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
+
+# Never deletes: the old copy is moved aside first.
+lab-fresh:
+	@if [ -e $(WORK) ]; then \
+		backup="$(WORK).bak-$$(date +%Y%m%d-%H%M%S)"; \
+		if [ -e "$$backup" ]; then echo "lab-fresh: $$backup exists already; try again in a second"; exit 1; fi; \
+		mv $(WORK) "$$backup" && echo "lab-fresh: moved your copy to $$backup"; \
+	fi
+	@$(MAKE) --no-print-directory lab
 
 # Widget state and per-cell execution timestamps are not stored (they only churn diffs).
-notebooks: $(STAMP)
+notebooks: $(LAB_STAMP)
 ifeq ($(NOTEBOOKS),)
 	@echo "notebooks: no notebooks/*.ipynb to execute"
 else

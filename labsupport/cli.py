@@ -43,9 +43,10 @@ def cmd_doctor(args) -> int:
         "cpu_cores": _cpu_count(), "device": str(device), "backend": backend,
         "recommended_nproc": recommended_nproc(),
     }
+    names = f" ({', '.join(info['gpu_names'])})" if info["gpu_names"] else ""
     lines = [f"python {info['python']}, torch {info['torch']}",
              "backends: " + ", ".join(f"{b} {'yes' if ok else 'no'}" for b, ok in info["backends"].items()),
-             f"devices: {info['gpus']} GPU(s) {info['gpu_names'] or ''}, {info['cpu_cores']} CPU core(s); "
+             f"devices: {info['gpus']} GPU(s){names}, {info['cpu_cores']} CPU core(s); "
              f"ranks will use {device.type} + {backend}",
              f"recommended --nproc: {info['recommended_nproc']}"]
     try:

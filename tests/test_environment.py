@@ -1,8 +1,9 @@
 """The install files agree with each other.
 
 pyproject.toml is the source of truth for dependencies; environment.yml must list the same
-packages for conda users, and the Makefile's TORCH_PIN (the one place torch is pinned) must
-satisfy pyproject's torch range, or `make` would install a second torch build.
+packages (with both extras, [lab] and [dev]) for conda users, and the Makefile's TORCH_PIN (the
+one place torch is pinned) must satisfy pyproject's torch range, or `make` would install a second
+torch build. `make lab` installs what attendees need and no test tools; `make test` adds them.
 
 environment.yml is read with a tiny line parser instead of PyYAML (not a declared
 dependency); the parser understands only the layout that file uses and fails loudly on
@@ -11,6 +12,8 @@ anything else, and a test compares it with PyYAML whenever PyYAML happens to be 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,10 +40,12 @@ CONDA_ONLY = {"python", "pip"}
 
 # ------------------------------------------------------------------ readers
 
-def pyproject_requirements(text: str) -> dict[str, str]:
-    """{canonical PyPI name: version specifier} of dependencies plus the [dev] extra."""
+def pyproject_requirements(text: str, extras=("lab", "dev")) -> dict[str, str]:
+    """{canonical PyPI name: version specifier} of the dependencies plus the given extras."""
     project = tomllib.loads(text)["project"]
-    reqs = list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
+    reqs = list(project["dependencies"])
+    for extra in extras:
+        reqs += project["optional-dependencies"][extra]
     out = {}
     for line in reqs:
         req = Requirement(line)
@@ -179,6 +184,26 @@ def test_the_comparison_catches_a_mismatch():
     assert not SpecifierSet(pyproject_requirements(narrower)["torch"]).contains("2.13.0")
     with pytest.raises(ValueError):
         parse_environment_yml(environment + "  - conda-forge::\n      nested: [1]\n")
+
+
+def test_attendees_get_jupyterlab_and_no_test_tools():
+    attendee = pyproject_requirements(read("pyproject.toml"), extras=("lab",))
+    assert {"jupyterlab", "ipykernel", "ipywidgets", "torch"} <= attendee.keys()
+    tests_only = {"pytest", "pytest-timeout", "playwright", "psutil", "nbval"}
+    assert not tests_only & attendee.keys(), f"attendees would install {sorted(tests_only & attendee.keys())}"
+    assert tests_only <= pyproject_requirements(read("pyproject.toml"), extras=("dev",)).keys()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+@pytest.mark.parametrize("target, extras", [("lab", "[lab]"), ("test", "[lab,dev]")])
+def test_make_installs_the_extras_of_its_target(tmp_path, target, extras):
+    """What `make lab` / `make test` would run in a fresh checkout (make -n prints, runs nothing)."""
+    res = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    installs = [line for line in res.stdout.splitlines() if "pip install" in line]
+    assert "torch==" in installs[1] and "-e" not in installs[1], "torch (TORCH_PIN) goes in first"
+    assert installs[-1].endswith(f'pip install -e ".{extras}"'), installs
 
 
 def test_line_parser_agrees_with_pyyaml():
