@@ -24,7 +24,7 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython):
-    """Register `%%torchrun` and `%ranks`/`%%ranks` (IPython calls this on `%load_ext labsupport`)."""
+    """Register `%%torchrun`, `%ranks`/`%%ranks` and `%%exercise` (IPython calls this on `%load_ext labsupport`)."""
     from .launch import torchrun_magic
 
     def torchrun(line, cell):
@@ -34,5 +34,10 @@ def load_ipython_extension(ipython):
         from .pool import ranks_magic  # imported on first use: ipyparallel loads only for the pool
         return ranks_magic(line, cell, ipython.user_ns)
 
+    def exercise(line, cell):
+        from .lab.exercise import run_cell
+        run_cell(line.strip(), cell, ipython.user_ns)
+
     ipython.register_magic_function(torchrun, magic_kind="cell", magic_name="torchrun")
     ipython.register_magic_function(ranks, magic_kind="line_cell", magic_name="ranks")
+    ipython.register_magic_function(exercise, magic_kind="cell", magic_name="exercise")

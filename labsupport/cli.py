@@ -213,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         m.add_argument(f"--{flag}", type=int, default=None)
     m.add_argument("--micro-batch", type=int, default=1)
-    m.add_argument("--precision", choices=["fp32", "mixed"], default="mixed")
+    from .estimate.memory import BYTES_PER_PARAM
+    m.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed",
+                   help="bytes-per-parameter recipe: fp32 and mixed 16 (ZeRO/DeepSpeed), megatron-bf16 18, megatron-fp16 20")
     for flag in ("param-bytes", "grad-bytes", "optimizer-bytes"):  # floats, so "2.0" works; whole numbers only
         m.add_argument(f"--{flag}", type=float, default=None, help="bytes per parameter; give all three")
     for flag in ("dp", "tp", "pp"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport.estimate.flops import (PEAK_TFLOPS, forward_flops_per_token, model_flops_per_token,
+from labsupport.estimate.flops import (PEAK_TFLOPS, training_days, forward_flops_per_token, model_flops_per_token,
                                        peak_tflops, training_flops_per_token)
 from labsupport.estimate.memory import (BYTES_PER_PARAM, activation_bytes_per_layer, estimate_memory,
                                         model_state_bytes, tinygpt_activation_bytes)
@@ -99,6 +99,13 @@ def test_gpt3_training_compute():
     assert 1.0 < with_attention / 3.14e23 < 1.1
 
 
+@pytest.mark.parametrize("n_params, tokens, gpus, tflops, days", [(175e9, 300e9, 1024, 140, 34), (1008e9, 450e9, 3072, 163, 84)])
+def test_training_days_narayanan_2021(n_params, tokens, gpus, tflops, days):
+    """Narayanan et al. 2021, Sec 5.1: 8TP/(nX) gives 34 days for GPT-3 and 84 days for 1T.
+    Their X is achieved throughput per GPU, so peak x MFU = X with MFU 1."""
+    assert round(training_days(n_params, tokens, gpus, tflops * 1e12, 1.0, flops_per_param_token=8)) == days
+
+
 def test_nanogpt_convention_for_gpt2():
     """N leaves out the position table only, as nanoGPT's get_num_params() (123.65M for GPT-2)."""
     cfg = PRESETS["gpt2"]
@@ -128,6 +135,17 @@ def test_bytes_per_param_is_16_for_adam():
     """ZeRO, Rajbhandari et al. 2020, Sec 3.1: mixed-precision Adam is 2 + 2 + K with K = 12."""
     assert BYTES_PER_PARAM["mixed"] == dict(params=2, grads=2, optimizer=12)
     assert sum(BYTES_PER_PARAM["mixed"].values()) == sum(BYTES_PER_PARAM["fp32"].values()) == 16
+
+
+@pytest.mark.parametrize("recipe, total, unsharded, sharded", [
+    ("megatron-fp16", 20, 4, 16), ("megatron-bf16", 18, 6, 12), ("fp32", 16, 8, 8)])
+def test_megatron_bytes_per_param_table(recipe, total, unsharded, sharded):
+    """Megatron-LM README, "Distributed optimizer": 20, 18 and 16 bytes per parameter, and
+    4 + 16/d, 6 + 12/d, 8 + 8/d when the optimizer is sharded over d data-parallel ranks (ZeRO-1)."""
+    assert sum(BYTES_PER_PARAM[recipe].values()) == total
+    d, n = 8, 1000
+    states = model_state_bytes(n, recipe, dp=d, zero=1)
+    assert states["params"] + states["grads"] == unsharded * n and states["optimizer"] == sharded * n // d
 
 
 @pytest.mark.parametrize("zero, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])

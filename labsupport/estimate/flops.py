@@ -39,6 +39,20 @@ def forward_flops_per_token(cfg) -> int:
     return training_flops_per_token(cfg) // 3
 
 
+def training_days(n_params: float, tokens: float, devices: int, peak_flops: float, mfu: float,
+                  flops_per_param_token: float = 6) -> float:
+    """Days to train: C = 6 N D FLOPs (Kaplan et al. 2020, Sec 2.1) at `mfu` of every device's peak.
+
+    Narayanan et al. 2021 (Sec 5.1, eq. 4) count 8 N D with full activation recomputation (one
+    more forward pass): pass `flops_per_param_token=8` to reproduce their 34 days for GPT-3
+    (175B, 300B tokens, 1024 A100s at 140 TFLOP/s each) and 84 days for the 1T model (1,008B parameters).
+    """
+    if min(n_params, tokens, devices, peak_flops, mfu) <= 0:
+        raise ValueError("parameters, tokens, devices, peak FLOP/s and MFU must all be > 0")
+    seconds = flops_per_param_token * n_params * tokens / (devices * peak_flops * mfu)
+    return seconds / 86400
+
+
 # GPU name substring -> (fp32, bf16 dense tensor-core) peak TFLOP/s per device, from the
 # vendors' datasheets. Lookup is the first key, in this order, that is a substring of the name
 # torch reports (case-insensitive): so "H100 PCIe" comes before "H100" and "A100" before "A10".

@@ -11,17 +11,24 @@ import numbers
 
 from .params import count_params
 
-# Bytes per parameter for Adam (Rajbhandari et al. 2020, "ZeRO", Sec 3.1).
-# Mixed precision keeps fp16/bf16 weights (2) and gradients (2) for the forward and backward
+# Bytes per parameter of model states under Adam, by recipe: {params, grads, optimizer}.
+#
+# fp32 and "mixed" follow Rajbhandari et al. 2020 ("ZeRO", Sec 3.1), DeepSpeed's accounting:
+# mixed precision keeps fp16/bf16 weights (2) and gradients (2) for the forward and backward
 # passes, and for the update an fp32 master copy of the weights, Adam's momentum and its
-# variance (4 + 4 + 4 = 12, ZeRO's K). 2 + 2 + 12 = 16 bytes per parameter, 16 Psi in all.
-# Plain fp32 needs no master copy: 4 + 4 + 8 = 16 bytes as well.
-# The workshop deck's table ("weights 6x, gradients 4x, optimizer 8x, total 20x") books the
-# master copy under weights (2 + 4 = 6) and keeps fp32 gradients (4): its rows add up to 18,
-# not 20, and mixed-precision training keeps the gradients in 16 bits, which gives 16.
+# variance (4 + 4 + 4 = 12, ZeRO's K): 16 bytes. Plain fp32 needs no master copy: 4 + 4 + 8 = 16.
+#
+# Megatron-LM counts 18 and 20 (its README, "Distributed optimizer", the table of theoretical
+# bytes per parameter: fp32 16 = 8 + 8/d sharded, bf16 params with fp32 gradients 18 = 6 + 12/d,
+# fp16 params with fp16 gradients 20 = 4 + 16/d). With bf16 it accumulates gradients in fp32
+# (2 + 4 + 12); with fp16 the optimizer also keeps an fp32 copy of the gradients (2 + 2 + 16).
+# The workshop deck's table ("weights 6x, gradients 4x, optimizer 8x") is Megatron's 18, booked
+# with the master copy under weights; only its "total 20x" is a slip.
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "fp32": dict(params=4, grads=4, optimizer=8),
     "mixed": dict(params=2, grads=2, optimizer=12),
+    "megatron-bf16": dict(params=2, grads=4, optimizer=12),
+    "megatron-fp16": dict(params=2, grads=2, optimizer=16),
 }
 
 RECOMPUTE = ("none", "selective", "full")

@@ -1,0 +1,14 @@
+"""The hands-on part of the workbook: graded exercises, find-the-bug labs, predict-then-run.
+
+    %load_ext labsupport                 # enables %%exercise NAME
+    from labsupport import lab
+    lab.hint("ring_reduce_scatter_step"); lab.solution("ring_reduce_scatter_step"); lab.progress()
+    lab.reveal(guess, measured, unit="bytes", why="...")
+
+Each notebook's exercises live in one module here (nb00_collectives, ...); the mechanism is
+exercise.py, the runner on real ranks on_ranks.py, predictions predict.py.
+"""
+from .exercise import ExerciseFailed, hint, progress, solution
+from .predict import reveal
+
+__all__ = ["ExerciseFailed", "hint", "progress", "reveal", "solution"]

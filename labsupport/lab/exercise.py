@@ -1,0 +1,155 @@
+"""Graded exercises: the attendee writes the mechanism, a check runs it and says what went wrong.
+
+An exercise cell starts with the magic and defines one function (or value) named like the exercise:
+
+    %%exercise ring_reduce_scatter_step
+    def ring_reduce_scatter_step(chunks, step, rank, world):
+        ...
+
+The magic runs the cell, then the exercise's `grade` on what the cell defined. Feedback teaches:
+what was expected, what came back, where (which rank, which step). Three outcomes:
+
+* solved: one line saying what was checked;
+* not solved yet (the template still raises NotImplementedError): one line, no error, so a
+  notebook shipped unsolved runs top to bottom;
+* wrong: the feedback as one red line (`ExerciseFailed`), so the attendee sees it at once.
+
+A find-the-bug lab starts out wrong on purpose: until it is fixed its feedback is the symptom,
+printed, not raised. Later cells never depend on an exercise: they use labsupport's own code.
+
+`hint(name)` gives the next hint, `solution(name)` shows the reference solution (and, in
+Jupyter, puts it into a new cell), `progress()` lists what is done. With LABSUPPORT_SOLUTIONS=1
+every exercise cell runs its reference solution instead, and any failure raises: that is how
+CI keeps the solutions from rotting.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+# The notebooks' exercise modules, imported on first use (each registers its exercises).
+MODULES = ("nb00_collectives", "nb01_single_device", "nb02_data_parallel")
+
+SOLVED, UNSOLVED, WRONG, BUGGY = "solved", "not solved yet", "wrong", "bug not fixed yet"
+
+
+class Wrong(Exception):
+    """Raised by a grade function: the message is the feedback (what, where, expected, got)."""
+
+
+class Unsolved(Exception):
+    """Raised by a grade function when the attendee's code still raises NotImplementedError."""
+
+
+class ExerciseFailed(AssertionError):
+    """A wrong answer, shown in the notebook as one line instead of a traceback."""
+
+    def _render_traceback_(self):
+        return [f"\033[31m✘ {self}\033[0m"]
+
+
+@dataclass
+class Exercise:
+    name: str                              # what the cell defines, and the key of hint()/solution()
+    notebook: str                          # "00", "01", ...
+    title: str
+    grade: Callable[[object, str], str]    # (what the cell defined, the cell's source) -> success message
+    hints: tuple[str, ...]
+    solution: str                          # a cell body that solves it
+    bug_lab: bool = False
+    status: str = UNSOLVED
+    hints_shown: int = field(default=0, repr=False)
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def register(exercise: Exercise) -> Exercise:
+    EXERCISES[exercise.name] = exercise
+    exercise.status = BUGGY if exercise.bug_lab else UNSOLVED
+    return exercise
+
+
+def _load_all() -> None:
+    for module in MODULES:
+        importlib.import_module(f"labsupport.lab.{module}")
+
+
+def get(name: str) -> Exercise:
+    _load_all()
+    if name not in EXERCISES:
+        raise KeyError(f"no exercise named {name!r}; the exercises are: {', '.join(EXERCISES)}")
+    return EXERCISES[name]
+
+
+def solutions_mode() -> bool:
+    return os.environ.get("LABSUPPORT_SOLUTIONS", "") not in ("", "0")
+
+
+def run_cell(name: str, source: str, namespace: dict) -> str:
+    """What `%%exercise NAME` does: run the cell in `namespace`, grade it, print the verdict."""
+    ex = get(name)
+    if solutions_mode():
+        print(f"(LABSUPPORT_SOLUTIONS is set: running the reference solution of {name})")
+        source = ex.solution
+    exec(compile(source, f"<exercise {name}>", "exec"), namespace)
+    if name not in namespace:
+        raise ExerciseFailed(f"{name}: the cell must define `{name}`")
+    return grade(ex, namespace[name], source)
+
+
+def grade(ex: Exercise, answer, source: str) -> str:
+    """Grade `answer`; print the verdict; raise ExerciseFailed for a wrong answer (not for a bug lab)."""
+    try:
+        message = ex.grade(answer, source)
+    except Unsolved as e:
+        status, line = UNSOLVED, (f"○ {ex.name}: not solved yet ({e}). Write it and run the cell again; "
+                                  f"lab.hint({ex.name!r}) helps.")
+    except Wrong as e:
+        status, line = (BUGGY, f"🐞 {ex.name}: {e}") if ex.bug_lab else (WRONG, f"{ex.name}: {e}")
+    else:
+        status, line = SOLVED, f"✔ {ex.name}: {message}"
+    ex.status = status
+    if solutions_mode() and status != SOLVED:
+        raise ExerciseFailed(f"{ex.name}: the reference solution does not pass: {line}")
+    if status == WRONG:
+        raise ExerciseFailed(line)
+    print(line)
+    return status
+
+
+def hint(name: str) -> None:
+    """Print the next hint of exercise `name` (all of them once they are used up)."""
+    ex = get(name)
+    ex.hints_shown = min(ex.hints_shown + 1, len(ex.hints))
+    for i, text in enumerate(ex.hints[:ex.hints_shown], 1):
+        print(f"hint {i}/{len(ex.hints)}: {text}")
+
+
+def solution(name: str, load: bool = True) -> str:
+    """Show the reference solution; in Jupyter (`load`) it also appears in a new cell below."""
+    ex = get(name)
+    cell = f"%%exercise {name}\n{ex.solution.strip()}\n"
+    print(cell)
+    if load:
+        try:
+            get_ipython().set_next_input(cell)  # noqa: F821 (defined inside IPython only)
+        except NameError:
+            pass
+    return cell
+
+
+def progress(notebook: str | None = None) -> list[tuple[str, str, str]]:
+    """Print and return (notebook, exercise, status) for every exercise (of one notebook)."""
+    _load_all()
+    rows = [(ex.notebook, ex.name, ex.status) for ex in EXERCISES.values()
+            if notebook is None or ex.notebook == notebook]
+    width = max(len(name) for _, name, _ in rows)
+    done = sum(status == SOLVED for *_, status in rows)
+    print(f"{'nb':<4}{'exercise':<{width + 2}}status")
+    for nb, name, status in rows:
+        print(f"{nb:<4}{name:<{width + 2}}{'✔ ' if status == SOLVED else '  '}{status}")
+    print(f"{done} of {len(rows)} done")
+    return rows

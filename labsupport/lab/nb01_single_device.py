@@ -1,0 +1,158 @@
+"""Notebook 01's exercises: count TinyGPT's parameters, bytes per parameter by recipe, days to
+train the workshop's 22B model, and a find-the-bug lab (gradient accumulation).
+
+Expected values come from `estimate/` (one place per formula), so the exercises grade against
+the same numbers the notebook and the CLI print.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..estimate.flops import training_days as reference_days
+from ..estimate.memory import BYTES_PER_PARAM
+from ..estimate.params import count_params
+from ..model import GPT2_VOCAB, PRESETS
+from .exercise import Exercise, Unsolved, Wrong, register
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise Unsolved("it still raises NotImplementedError") from None
+
+
+# ---------------------------------------------------------------- parameters
+
+PARAM_SHAPES = [replace(PRESETS[name], vocab=vocab) for name, vocab in
+                (("nano", 57), ("micro", 57), ("mini", 57), ("gpt2", GPT2_VOCAB), ("gpt2-medium", GPT2_VOCAB))]
+
+
+def grade_tinygpt_params(fn, source) -> str:
+    for cfg in PARAM_SHAPES:
+        got = _call(fn, cfg.n_layers, cfg.hidden, cfg.vocab, cfg.seq_len)
+        want = count_params(cfg)
+        if got != want:
+            hint = ""
+            d = cfg.hidden
+            if got is not None and got - want == cfg.vocab * d:
+                hint = " The LM head is tied to the token embedding: one matrix, counted once."
+            elif got is not None and want - got == cfg.seq_len * d:
+                hint = " The learned position embeddings are parameters too."
+            elif got is not None and want - got == cfg.n_layers * d * d:
+                hint = " A layer's matrices are 12 d², not 11 d²: q, k, v and the projection are 4 d², the MLP 8 d²."
+            raise Wrong(f"for {cfg.name} (L={cfg.n_layers}, d={d}, V={cfg.vocab}, s={cfg.seq_len}) you count "
+                        f"{got!r}, TinyGPT has {want:,}.{hint}")
+    return (f"exact for {', '.join(c.name for c in PARAM_SHAPES)} "
+            f"(GPT-2 small: {count_params(PARAM_SHAPES[3]):,}, as published)")
+
+
+register(Exercise(
+    name="tinygpt_params", notebook="01", title="Count TinyGPT's parameters",
+    grade=grade_tinygpt_params,
+    hints=("Embeddings: V·d for the tokens (the LM head shares it) and s·d for the positions.",
+           "A block: 12 d² in matrices; vectors: 2 LayerNorms (weight and bias, 4d), and the biases of "
+           "q/k/v (3d), the attention projection (d), the MLP (4d and d).",
+           "Add a final LayerNorm (2d) after the last block."),
+    solution='''
+def tinygpt_params(n_layers, hidden, vocab, seq_len):
+    d = hidden
+    block = 12 * d * d + 13 * d      # matrices, then biases and LayerNorm weights/biases
+    return vocab * d + seq_len * d + n_layers * block + 2 * d
+'''))
+
+
+# ---------------------------------------------------------------- bytes per parameter
+
+def grade_bytes_per_param(fn, source) -> str:
+    for recipe, want in BYTES_PER_PARAM.items():
+        got = _call(fn, recipe)
+        if got != want:
+            total = sum(got.values()) if isinstance(got, dict) else got
+            raise Wrong(f"for {recipe!r} you give {got!r} ({total} bytes), expected {want} "
+                        f"({sum(want.values())} bytes per parameter)")
+    return "16 / 16 / 18 / 20 bytes per parameter, and the split between weights, gradients and optimizer"
+
+
+register(Exercise(
+    name="bytes_per_param", notebook="01", title="Bytes per parameter, by recipe",
+    grade=grade_bytes_per_param,
+    hints=("Adam keeps two moments per parameter (m and v), in fp32.",
+           "Mixed precision adds an fp32 master copy of the weights to the optimizer's state: 4 + 4 + 4 = 12.",
+           "Megatron's bf16 recipe accumulates gradients in fp32 (4 bytes); its fp16 recipe keeps 16-bit "
+           "gradients (2) and an fp32 copy of them in the optimizer (12 + 4)."),
+    solution='''
+def bytes_per_param(recipe):
+    return {"fp32": dict(params=4, grads=4, optimizer=8),            # weights, grads, Adam m and v
+            "mixed": dict(params=2, grads=2, optimizer=12),           # + fp32 master weights (ZeRO's K = 12)
+            "megatron-bf16": dict(params=2, grads=4, optimizer=12),   # fp32 gradient accumulation
+            "megatron-fp16": dict(params=2, grads=2, optimizer=16)}[recipe]  # + fp32 copy of the gradients
+'''))
+
+
+# ---------------------------------------------------------------- days to train
+
+DAYS_CASES = [(count_params(replace(PRESETS["22b"], vocab=GPT2_VOCAB)), 257e9, gcds, 191.5e12, mfu)
+              for gcds, mfu in ((1024, 0.3), (4096, 0.25), (256, 0.4))]
+
+
+def grade_training_days(fn, source) -> str:
+    for n, tokens, gcds, peak, mfu in DAYS_CASES:
+        got = _call(fn, n, tokens, gcds, peak, mfu)
+        want = reference_days(n, tokens, gcds, peak, mfu)
+        if got is None or abs(got - want) > 1e-3 * want:
+            raise Wrong(f"{n / 1e9:.1f}B parameters, {tokens / 1e9:.0f}B tokens, {gcds} GCDs at {mfu:.0%} MFU: "
+                        f"you say {got!r} days, 6·N·D / (GCDs · peak · MFU) gives {want:.1f}")
+    return f"e.g. {DAYS_CASES[0][2]} GCDs at 30% MFU: {reference_days(*DAYS_CASES[0]):.1f} days"
+
+
+register(Exercise(
+    name="training_days", notebook="01", title="Days to train the workshop's 22B model",
+    grade=grade_training_days,
+    hints=("Training costs about 6 FLOPs per parameter per token: 2 in the forward pass, 4 in the backward.",
+           "The machine does devices x peak FLOP/s x MFU useful FLOPs per second; a day is 86,400 s."),
+    solution='''
+def training_days(n_params, tokens, gcds, peak_flops, mfu):
+    return 6 * n_params * tokens / (gcds * peak_flops * mfu) / 86400
+'''))
+
+
+# ---------------------------------------------------------------- find the bug: gradient accumulation
+
+def grade_accumulate(fn, source) -> str:
+    """The accumulated gradient of 4 micro-batches must equal the gradient of the whole batch."""
+    import torch
+
+    from ..model import TinyGPT, get_preset, lm_loss
+    torch.manual_seed(0)
+    model = TinyGPT(get_preset("nano").with_vocab(57))
+    x = torch.randint(0, 57, (8, 32))
+    y = torch.roll(x, -1, dims=1)
+    lm_loss(model(x), y).backward()
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    _call(fn, model, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)])
+    got = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+    ratio = (got.norm() / full.norm()).item()
+    if not torch.allclose(got, full, rtol=1e-4, atol=1e-7):
+        raise Wrong(f"the accumulated gradient's norm is {ratio:.2f}x the whole batch's ({got.norm():.4f} vs "
+                    f"{full.norm():.4f}). Under AdamW the losses would still look right (Adam ignores a common "
+                    "scale), so only the gradients show it")
+    return "4 micro-batches give the gradient of the whole batch"
+
+
+register(Exercise(
+    name="accumulate", notebook="01", title="Find the bug: gradient accumulation",
+    grade=grade_accumulate, bug_lab=True,
+    hints=("Gradients of successive backward passes add up in .grad. What does the sum of 4 mean losses equal?",
+           "The whole batch's loss is the mean over all its sequences: each micro-batch's mean loss must be "
+           "divided by the number of micro-batches before backward."),
+    solution='''
+from labsupport.model import lm_loss
+
+
+def accumulate(model, micro_batches):
+    for x, y in micro_batches:
+        loss = lm_loss(model(x), y)
+        (loss / len(micro_batches)).backward()   # the mean over the whole batch
+'''))

@@ -1,0 +1,199 @@
+"""The exercises grade as intended: every reference solution passes, typical wrong answers get
+the feedback written for them, unsolved templates say so in one line, bug labs print their
+symptom until fixed. Distributed checks run on real ranks (a pool per world size, as a notebook
+with `%ranks start` would; the launch path is tested once)."""
+import re
+
+import pytest
+
+from labsupport.lab import exercise as ex
+from labsupport.lab import predict
+
+
+def grade(name, source, capsys):
+    """(status, printed line or the ExerciseFailed message)."""
+    try:
+        status = ex.run_cell(name, source, {})
+    except ex.ExerciseFailed as e:
+        return ex.WRONG, str(e)
+    return status, capsys.readouterr().out
+
+
+def solution(name):
+    return ex.get(name).solution
+
+
+def mutate(name, old, new):
+    src = solution(name)
+    assert old in src, (name, old)
+    return src.replace(old, new)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from labsupport.pool import ranks
+    ranks.start(4, timeout=60)
+    yield ranks
+    ranks.stop()
+
+
+@pytest.fixture(scope="module")
+def pool2(pool4):
+    pool4.stop()
+    pool4.start(2, timeout=60)
+    yield pool4
+    pool4.stop()
+
+
+# ---------------------------------------------------------------- local exercises (no ranks)
+
+LOCAL_WRONG = [
+    ("wire_bytes", '"all_reduce": 2 * (n - 1)', '"all_reduce": (n - 1)', r"wire_bytes\('all_reduce', 1,000,000, 2\) returned 500000.0; .* 1,000,000 bytes"),
+    ("wire_bytes", '"all_gather": n - 1,', '"all_gather": n,', r"wire_bytes\('all_gather'.* 500,000 bytes"),
+    ("tinygpt_params", "12 * d * d", "11 * d * d", r"12 d², not 11 d²"),
+    ("tinygpt_params", "vocab * d + seq_len * d", "vocab * d", r"position embeddings are parameters too"),
+    ("tinygpt_params", "return vocab * d", "return 2 * vocab * d", r"tied to the token embedding: one matrix, counted once"),
+    ("bytes_per_param", "dict(params=2, grads=4, optimizer=12)", "dict(params=2, grads=2, optimizer=12)",
+     r"'megatron-bf16' .*\(16 bytes\), expected .* \(18 bytes"),
+    ("bytes_per_param", "dict(params=2, grads=2, optimizer=16)", "dict(params=2, grads=2, optimizer=12)", r"20 bytes per parameter"),
+    ("training_days", "6 * n_params", "2 * n_params", r"days, 6·N·D / \(GCDs · peak · MFU\) gives"),
+    ("training_days", "/ 86400", "/ 3600", r"days, 6·N·D"),
+]
+
+
+@pytest.mark.parametrize("name", ["wire_bytes", "tinygpt_params", "bytes_per_param", "training_days", "accumulate"])
+def test_local_reference_solutions_pass(name, capsys):
+    status, out = grade(name, solution(name), capsys)
+    assert status == ex.SOLVED and out.startswith(f"✔ {name}:"), out
+
+
+@pytest.mark.parametrize("name, old, new, feedback", LOCAL_WRONG)
+def test_local_wrong_answers_get_their_feedback(name, old, new, feedback, capsys):
+    status, message = grade(name, mutate(name, old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+def test_an_unsolved_template_says_so_in_one_line(capsys):
+    status, out = grade("wire_bytes", "def wire_bytes(op, payload_bytes, n):\n    raise NotImplementedError\n", capsys)
+    assert status == ex.UNSOLVED and out.count("\n") == 1 and "not solved yet" in out and "lab.hint('wire_bytes')" in out
+
+
+def test_the_accumulation_bug_lab_prints_its_symptom_until_fixed(capsys):
+    buggy = mutate("accumulate", "(loss / len(micro_batches)).backward()", "loss.backward()")
+    status, out = grade("accumulate", buggy, capsys)
+    assert status == ex.BUGGY and "4.00x the whole batch's" in out and "Adam ignores a common scale" in out
+
+
+def test_a_cell_that_defines_nothing_is_named(capsys):
+    status, message = grade("wire_bytes", "x = 1\n", capsys)
+    assert status == ex.WRONG and "must define `wire_bytes`" in message
+
+
+def test_solutions_mode_runs_the_reference_and_refuses_failure(monkeypatch, capsys):
+    monkeypatch.setenv("LABSUPPORT_SOLUTIONS", "1")
+    status, out = grade("training_days", "def training_days(*a):\n    raise NotImplementedError\n", capsys)
+    assert status == ex.SOLVED and "running the reference solution" in out
+    bug = ex.get("accumulate")
+    monkeypatch.setattr(bug, "solution", mutate("accumulate", "(loss / len(micro_batches))", "loss"))
+    with pytest.raises(ex.ExerciseFailed, match="reference solution does not pass"):
+        ex.run_cell("accumulate", "", {})
+
+
+def test_hints_come_one_at_a_time_and_solution_prints_a_cell(capsys):
+    exercise = ex.get("wire_bytes")
+    exercise.hints_shown = 0
+    ex.hint("wire_bytes")
+    assert capsys.readouterr().out.count("hint ") == 1
+    ex.hint("wire_bytes")
+    assert capsys.readouterr().out.count("hint ") == 2
+    assert ex.solution("wire_bytes", load=False).startswith("%%exercise wire_bytes\ndef wire_bytes(")
+
+
+def test_progress_lists_every_exercise_with_its_status(capsys):
+    rows = ex.progress("00")
+    out = capsys.readouterr().out
+    assert {name for _, name, _ in rows} == {"ring_reduce_scatter_step", "ring_all_gather_step", "wire_bytes", "mean_loss"}
+    assert re.search(r"\d of 4 done", out)
+
+
+def test_unknown_exercise_is_named():
+    with pytest.raises(KeyError, match="no exercise named 'nope'"):
+        ex.get("nope")
+
+
+@pytest.mark.parametrize("guess, measured, verdict", [(None, 3.0, "no guess"), (3.1, 3.0, "right"), (6.0, 3.0, "off"),
+                                                      ("b", "b", "right"), ("a", "b", "off")])
+def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
+    assert predict.reveal(guess, measured, why="because.") == verdict
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("because.") and (verdict != "off" or "predicted" in out)
+
+
+# ---------------------------------------------------------------- on real ranks
+
+RING_WRONG = [
+    ("ring_reduce_scatter_step", "send_chunk = (rank - step - 1) % world", "send_chunk = (rank - step) % world",
+     r"after step 0 of the ring reduce-scatter rank \d holds chunk \d = \[.*\], expected"),
+    ("ring_reduce_scatter_step", "chunks[recv_chunk] += incoming", "chunks[recv_chunk].copy_(incoming)",
+     r"after step \d of the ring reduce-scatter rank \d holds chunk"),
+    ("ring_reduce_scatter_step", "comm.irecv(incoming, left)]", "comm.irecv(incoming, left)]\n    comm.all_reduce(incoming)",
+     r"a ring step is exactly one comm.isend to the right and one comm.irecv from the left"),
+    ("ring_all_gather_step", "comm.irecv(chunks[(rank - step - 1) % world], left)",
+     "comm.irecv(chunks[(rank - step) % world], left)", r"after step 0 of the ring all-gather rank \d holds chunk"),
+    ("ring_all_gather_step", "(rank - step) % world], right)", "(rank + step) % world], right)",
+     r"ring all-gather rank \d holds chunk"),
+]
+
+
+@pytest.mark.multiprocess
+def test_ring_references_pass_and_wrong_steps_are_located(pool4, capsys):
+    for name in ("ring_reduce_scatter_step", "ring_all_gather_step"):
+        status, out = grade(name, solution(name), capsys)
+        assert status == ex.SOLVED and "all 3 steps on 4 ranks" in out, out
+    for name, old, new, feedback in RING_WRONG:
+        status, message = grade(name, mutate(name, old, new), capsys)
+        assert status == ex.WRONG and re.search(feedback, message), (name, new, message)
+    template = "def ring_all_gather_step(chunks, step, rank, world):\n    raise NotImplementedError\n"
+    assert grade("ring_all_gather_step", template, capsys)[0] == ex.UNSOLVED
+
+
+HOOK_WRONG = [
+    ('comm.all_reduce(bucket.buffer, "avg", async_op=True)', 'comm.all_reduce(bucket.buffer, "sum", async_op=True)',
+     r"2x, the sum over the ranks; average them"),
+    ("copy_(p.grad.view(-1))", "copy_(p.detach().view(-1))", r"it equals the weights\. The hook receives the parameter"),
+    ("    if len(bucket.ready) == len(bucket.params):", "    if False:", r"bucket 0 \(of \d+\) was never launched"),
+]
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_exercises_and_bug_labs_on_two_ranks(pool2, capsys):
+    status, out = grade("on_grad_ready", solution("on_grad_ready"), capsys)
+    assert status == ex.SOLVED, out
+    for old, new, feedback in HOOK_WRONG:
+        status, message = grade("on_grad_ready", mutate("on_grad_ready", old, new), capsys)
+        assert status == ex.WRONG and re.search(feedback, message), (new, message)
+    # picotron's bug: the hook all-reduces the parameter; the gradients stay local
+    buggy = mutate("register_hooks", "comm.all_reduce(param.grad", "comm.all_reduce(param")
+    status, out = grade("register_hooks", buggy, capsys)
+    assert status == ex.BUGGY and "🐞 register_hooks" in out and "single-device one in norm" in out, out
+    assert grade("register_hooks", solution("register_hooks"), capsys)[0] == ex.SOLVED
+    # summed gradients: twice the single device's
+    status, out = grade("sync_gradients", mutate("sync_gradients", '"avg"', '"sum"'), capsys)
+    assert status == ex.BUGGY and "2x, the sum over the ranks" in out, out
+    assert grade("sync_gradients", solution("sync_gradients"), capsys)[0] == ex.SOLVED
+    # a collective on one rank only: the hang is caught, named, and the pool comes back
+    buggy = mutate("mean_loss", '    comm.all_reduce(total, "avg")          # every rank takes part\n'
+                   '    if comm.get_rank() == 0 and step % 2 == 0:\n',
+                   '    if comm.get_rank() == 0 and step % 2 == 0:\n        comm.all_reduce(total, "avg")\n')
+    status, out = grade("mean_loss", buggy, capsys)
+    assert status == ex.BUGGY and "did not finish" in out and "rank 0" in out and "which call does one rank" in out, out
+    status, out = grade("mean_loss", solution("mean_loss"), capsys)
+    assert status == ex.SOLVED, out
+
+
+@pytest.mark.multiprocess
+def test_without_a_pool_a_check_runs_through_a_launch(capsys):
+    from labsupport.pool import ranks
+    ranks.stop()  # the module's pools may still run
+    status, out = grade("sync_gradients", mutate("sync_gradients", '"avg"', '"sum"'), capsys)
+    assert status == ex.BUGGY and "2x, the sum over the ranks" in out, out
