@@ -114,7 +114,8 @@ lab-fresh:
 	fi
 	@$(MAKE) --no-print-directory lab
 
-# Widget state and per-cell execution timestamps are not stored (they only churn diffs).
+# Widget state and per-cell execution timestamps are not stored (they only churn diffs); a widget
+# shown with labsupport.widgets.show keeps its static figure as the stored output.
 notebooks: $(LAB_STAMP)
 ifeq ($(NOTEBOOKS),)
 	@echo "notebooks: no notebooks/*.ipynb to execute"
@@ -125,6 +126,7 @@ else
 		--ExecutePreprocessor.store_widget_state=False \
 		--ExecutePreprocessor.record_timing=False \
 		$(NOTEBOOKS)
+	$(VPY) -m labsupport.widgets.show $(NOTEBOOKS)  # stored widgets keep their static figure only
 endif
 
 clean:

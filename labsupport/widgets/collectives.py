@@ -22,13 +22,13 @@ what registers matplotlib's display hook with IPython).
 from __future__ import annotations
 
 import html
-import io
 import string
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
+from .show import figure_png, notebook_figure_class
 from ..estimate.collective_steps import COLLECTIVES, Transfer, initial_state, schedule, simulate
 
 ROOTED = ("broadcast", "reduce", "scatter", "gather")  # the collectives where `root` matters
@@ -272,18 +272,7 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
     return fig
 
 
-def figure_png(fig: Figure, dpi: int = DPI) -> bytes:
-    """The figure as PNG bytes, for an ipywidgets.Image or a notebook output."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
-class NotebookFigure(Figure):
-    """A Figure that shows itself as a PNG when a notebook cell returns it, pyplot or not."""
-
-    def _repr_png_(self) -> bytes:
-        return figure_png(self)
+NotebookFigure = notebook_figure_class()
 
 
 # ---------------------------------------------------------------- the widget

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import html
-import io
 
+from .show import figure_png
 from ..estimate.memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory
 from ..model import CPU_PRESETS, PRESETS, get_preset
 
@@ -166,16 +166,6 @@ def measured_vs_predicted_figure(measured: dict, predicted: dict, title: str | N
     if title:
         ax.set_title(title, fontsize=11)
     return fig
-
-
-def figure_png(fig) -> bytes:
-    """Render a Figure to PNG bytes (no pyplot, no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=96)
-    return buf.getvalue()
 
 
 class MemoryWidget:

@@ -29,7 +29,8 @@ from matplotlib.patches import Patch
 from matplotlib.path import Path as MplPath
 
 from ..metrics import overlap
-from .collectives import NotebookFigure, figure_png
+from .collectives import NotebookFigure
+from .show import figure_png
 
 COMPUTE_OPS = ("forward", "backward", "finish_backward", "optimizer")
 LABELS = {"forward": "forward", "backward": "backward", "finish_backward": "finish backward (wait for gradients)",
