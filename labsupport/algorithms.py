@@ -50,7 +50,7 @@ def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
     return _SCRATCH[key]
 
 
-def _run(steps, chunks: list[torch.Tensor], op: str | None = None) -> None:
+def run_steps(steps, chunks: list[torch.Tensor], op: str | None = None) -> None:
     """Execute this rank's part of ring steps on `chunks`, views of one flat buffer.
 
     A reduced chunk is received into a scratch buffer (reused at every step and call) and then
@@ -83,7 +83,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """
     _check_op(op, tensor)
     chunks = _flat_chunks(tensor.reshape(-1).clone())
-    _run(collective_steps.ring_reduce_scatter(len(chunks)), chunks, op)
+    run_steps(collective_steps.ring_reduce_scatter(len(chunks)), chunks, op)
     mine = chunks[comm.get_rank()]
     if op == "avg":
         mine.div_(len(chunks))
@@ -103,7 +103,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     if input.numel() != mine.numel():
         raise ValueError(f"input has {input.numel()} elements but this rank's chunk of output has {mine.numel()}")
     mine.copy_(input.reshape(-1))
-    _run(collective_steps.ring_all_gather(len(chunks)), chunks)
+    run_steps(collective_steps.ring_all_gather(len(chunks)), chunks)
     return output
 
 
@@ -117,10 +117,10 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     chunks = _flat_chunks(work.view(-1))
     n = len(chunks)
-    _run(collective_steps.ring_reduce_scatter(n), chunks, op)
+    run_steps(collective_steps.ring_reduce_scatter(n), chunks, op)
     if op == "avg":
         chunks[comm.get_rank()].div_(n)  # only our chunk: the all-gather spreads it
-    _run(collective_steps.ring_all_gather(n), chunks)
+    run_steps(collective_steps.ring_all_gather(n), chunks)
     if work is not tensor:
         tensor.copy_(work)
     return tensor

@@ -11,7 +11,7 @@ import json
 import platform
 import sys
 
-from .launch import LaunchError, launch
+from .launch import LaunchError, display_path, launch
 
 
 class UsageError(Exception):
@@ -94,7 +94,7 @@ def cmd_train(args, train_argv: list[str]) -> int:
     else:
         print(f"final loss {summary['losses'][-1]:.4f} (first {summary['losses'][0]:.4f}), "
               f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {summary['mfu']:.1%} "
-              f"({summary['peak_flops_source']}); run directory {summary['run_dir']}")
+              f"({summary['peak_flops_source']}); run directory {display_path(summary['run_dir'])}")
     return 0
 
 

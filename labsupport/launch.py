@@ -57,6 +57,13 @@ def runs_root() -> Path:
     return Path(os.environ.get("LABSUPPORT_RUNS") or "runs")
 
 
+def display_path(path) -> str:
+    """A path as messages show it: relative to the working directory when that is short (runs/...,
+    ../runs/... from a notebook), so stored notebook outputs carry no machine's absolute paths."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith(os.path.join("..", "..")) else relative
+
+
 def make_run_dir(run_dir=None, name: str = "run") -> Path:
     if run_dir is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
@@ -219,7 +226,7 @@ class RunResult:
 
     def __repr__(self):
         status = "ok" if self.ok else f"failed (exit codes {self.exit_codes})"
-        return f"RunResult({status}, {self.nproc} rank(s), {self.duration_s:.1f} s, {self.run_dir})"
+        return f"RunResult({status}, {self.nproc} rank(s), {self.duration_s:.1f} s, {display_path(self.run_dir)})"
 
 
 # ---------------------------------------------------------------- the launcher
@@ -277,7 +284,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
         waiting = _where_ranks_wait(run_dir, nproc)
         kill_tree(proc)
         raise LaunchTimeout(f"timed out after {timeout:g} s; still running: {waiting or 'no rank reported'}; "
-                            f"logs in {run_dir}") from None
+                            f"logs in {display_path(run_dir)}") from None
     except BaseException:  # KeyboardInterrupt from the notebook's stop button or Ctrl-C
         kill_tree(proc)
         raise
@@ -346,17 +353,17 @@ def failure_message(result: RunResult) -> str:
     errors.sort(key=lambda e: (bool(_PEER_LOST.search(e["error"])), e["time"]))
     crashed = _crashed_ranks(result.run_dir, result.nproc)
     if crashed and (not errors or _PEER_LOST.search(errors[0]["error"])):
-        return "; ".join(crashed) + f" (logs in {result.run_dir})"
+        return "; ".join(crashed) + f" (logs in {display_path(result.run_dir)})"
     if errors:
         err = errors[0]
         tail = "\n".join(err["traceback"].rstrip().splitlines()[-8:])
-        return f"rank {err['rank']} failed: {err['error']}\n{tail}\n(logs in {result.run_dir})"
+        return f"rank {err['rank']} failed: {err['error']}\n{tail}\n(logs in {display_path(result.run_dir)})"
     dead = [r for r, c in result.exit_codes.items() if c is None]
     if dead:
         return (f"rank(s) {dead} left no exit code (killed, out of memory, crashed, or never started); "
-                f"torchrun exited {result.returncode}; see {result.run_dir}/torchrun.log")
+                f"torchrun exited {result.returncode}; see {display_path(result.run_dir)}/torchrun.log")
     bad = {r: c for r, c in result.exit_codes.items() if c}
-    return f"rank(s) exited non-zero {bad}; logs in {result.run_dir}"
+    return f"rank(s) exited non-zero {bad}; logs in {display_path(result.run_dir)}"
 
 
 def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:

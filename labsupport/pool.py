@@ -42,7 +42,8 @@ import traceback
 from pathlib import Path
 
 from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, _alive,
-                     _crashed_ranks, _innermost_frame, check_nproc, descendants, free_port, make_run_dir)
+                     _crashed_ranks, _innermost_frame, check_nproc, descendants, free_port, make_run_dir,
+                     display_path)
 from .rank import die_with_parent
 
 START_TIMEOUT_S = 120  # for the engines to register and the process group to form
@@ -97,7 +98,7 @@ class RankPool:
             if isinstance(e, _Lost) and e.error is KeyboardInterrupt:
                 raise KeyboardInterrupt from None
             if isinstance(e, (_Lost, TimeoutError)):
-                raise PoolError(f"the ranks did not start: {e}; logs in {self.run_dir}") from None
+                raise PoolError(f"the ranks did not start: {e}; logs in {display_path(self.run_dir)}") from None
             raise
         self.start_s = time.monotonic() - began
         if not self._exit_hook:  # before ipyparallel's own hook (atexit runs last-registered first)
@@ -251,6 +252,7 @@ class RankPool:
 
     def _values(self, results: dict) -> dict:
         """{rank: value}, or, if some rank raised, its traceback printed and RankFailed naming it."""
+        results = dict(sorted(results.items()))  # in rank order, whichever rank finished first
         errors = {r: res["error"] for r, res in results.items() if "error" in res}
         if errors:
             _print_tracebacks(results)
@@ -350,7 +352,7 @@ class RankPool:
     def __repr__(self):
         if not self.running:
             return "RankPool(not running)"
-        return f"RankPool({self.nproc} ranks, {self.device_backend}, {self.run_dir})"
+        return f"RankPool({self.nproc} ranks, {self.device_backend}, {display_path(self.run_dir)})"
 
 
 _NO_POOL = "no ranks are running; start one with `%ranks start --nproc N`"
@@ -566,4 +568,4 @@ def ranks_magic(line: str, cell: str | None = None, user_ns: dict | None = None)
         if user_ns is not None:
             user_ns["ranks"] = ranks  # so that the next cell can say ranks.pull("t")
         print(f"{ranks.nproc} ranks ready in {ranks.start_s:.1f} s ({ranks.device_backend}); each has `rt`; "
-              f"run directory {ranks.run_dir}")
+              f"run directory {display_path(ranks.run_dir)}")

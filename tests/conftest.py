@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+SESSION = "LABSUPPORT_TEST_SESSION"
+
+
 def pytest_configure(config):
+    os.environ[SESSION] = str(os.getpid())  # inherited by every process a test, notebook or launch starts
     config.addinivalue_line("markers", "slow: a few slow tests, still part of make test")
     config.addinivalue_line("markers", "multiprocess: launches real ranks")
     config.addinivalue_line("markers", "browser: drives headless Chromium")
@@ -27,9 +32,33 @@ def run_cli(*args, timeout=300, env=None):
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """No test, notebook (nbval) or launch may leave a process behind: after the last test, nothing
+    that carries this session's tag may still run (a few seconds' grace for processes that are exiting)."""
+    needle = f"{SESSION}={os.getpid()}"
+    deadline = time.monotonic() + 15
+    while (left := _processes_with(needle)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        print("\nprocesses left behind by the tests: " + "; ".join(f"{pid}: {_command(pid)}" for pid in left))
+        session.exitstatus = 1
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:150]
+    except OSError:
+        return "(exited)"
+
+
 def processes_of(run_dir) -> list[int]:
     """PIDs of live processes started for `run_dir` (their environment names it)."""
-    needle = f"LABSUPPORT_RUN_DIR={Path(run_dir).resolve()}".encode()
+    return _processes_with(f"LABSUPPORT_RUN_DIR={Path(run_dir).resolve()}")
+
+
+def _processes_with(variable: str) -> list[int]:
+    """PIDs of live processes (not this one, not zombies) whose environment holds `variable` (NAME=value)."""
+    needle = variable.encode()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():

@@ -84,6 +84,11 @@ def test_notebook_00_runs_and_its_stepper_follows_the_ring(own_lab, request):
         # the outputs were cleared before the run, so this verdict of a check cell is fresh
         verdict = "all 8 collectives gave the results their definitions say"
         page.locator(".jp-OutputArea-output", has_text=verdict).wait_for(timeout=10_000)
+        # a %%ranks cell on the interactive ranks: every rank's line, prefixed with its rank
+        ring = page.locator(".jp-OutputArea-output", has_text="floats differ from torch's")
+        ring.first.wait_for(timeout=10_000)
+        printed = "\n".join(ring.all_inner_texts())
+        assert all(f"[rank {r}] " in printed for r in range(n)), printed
 
         widgets = page.locator(".labsupport-collectives")
         widgets.first.wait_for(state="visible", timeout=30_000)
