@@ -404,6 +404,8 @@ def _innermost_frame(dump: str) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', dump)
     if not frames:
         return ""
+    if any(func == "_destroy_world" for _, _, func in frames):  # runtime's exit barrier
+        return "the exit barrier: its script is done, it waits for the others"
     in_comm = [func for path, _, func in frames if path.endswith(os.path.join("labsupport", "comm.py"))]
     if in_comm:  # faulthandler lists innermost first: the outermost comm frame is the public call
         return f"comm.{in_comm[-1]}"

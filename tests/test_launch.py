@@ -223,3 +223,16 @@ def test_doctor_smoke_test():
     names = f" ({', '.join(info['gpu_names'])})" if info["gpus"] else ""
     assert (f"devices: {info['gpus']} GPU(s){names}, {info['cpu_cores']} CPU core(s); "
             f"ranks will use {info['device'].split(':')[0]} + {info['backend']}\n") in res.stderr
+
+
+def test_a_rank_waiting_at_the_exit_barrier_is_named_so():
+    """A rank whose script ended waits in runtime's exit barrier for the others: say that, not torch's frame."""
+    from labsupport.launch import _innermost_frame
+    dump = ('Thread 0x1 (most recent call first):\n'
+            '  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper\n'
+            '  File "/x/labsupport/runtime.py", line 196 in _destroy_world\n'
+            '  File "/x/labsupport/runtime.py", line 164 in __exit__\n')
+    assert _innermost_frame(dump) == "the exit barrier: its script is done, it waits for the others"
+    comm_dump = ('  File "/x/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
+                 '  File "/x/labsupport/comm.py", line 5 in _call\n  File "/x/labsupport/comm.py", line 7 in all_reduce\n')
+    assert _innermost_frame(comm_dump) == "comm.all_reduce"

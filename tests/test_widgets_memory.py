@@ -145,3 +145,33 @@ def test_widgets_package_imports_no_submodule():
     code = "import sys, labsupport.widgets; print(sorted(m for m in sys.modules if m.startswith('labsupport.widgets.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_widget_figure_is_the_static_stand_in():
+    w = wm.MemoryWidget("22b", precision="megatron-bf16", micro_batch=2)
+    fig = w.figure()
+    ax = fig.axes[0]
+    assert bar_heights(ax) == pytest.approx([w.estimate[k] / 1e9 for k in wm.CATEGORIES])
+    assert ax.get_title() == "22b, megatron-bf16, micro-batch 2"
+    assert wm.figure_png(fig).startswith(b"\x89PNG")
+    w.controls["model"].value = wm.CUSTOM
+    w.controls["n_params"].value = 1e9
+    assert w.figure().axes[0].get_title().startswith("1e+09 params")
+    w.controls["model"].value = "micro"
+    w.controls["tp"].value = 8  # not a valid layout: no estimate, no figure
+    with pytest.raises(ValueError, match="divisible"):
+        w.figure()
+
+
+def test_widget_offers_every_precision_recipe():
+    from labsupport.estimate.memory import BYTES_PER_PARAM
+    w = wm.MemoryWidget("22b")
+    assert list(w.controls["precision"].options) == list(BYTES_PER_PARAM)
+    states = {}
+    for recipe in BYTES_PER_PARAM:
+        w.controls["precision"].value = recipe
+        assert w.estimate == estimate_memory(PRESETS["22b"], precision=recipe)
+        states[recipe] = sum(w.estimate[k] for k in ("params", "grads", "optimizer"))
+    # 16 / 16 / 18 / 20 bytes per parameter
+    assert states["fp32"] == states["mixed"]
+    assert states["megatron-bf16"] * 16 == states["mixed"] * 18 and states["megatron-fp16"] * 16 == states["mixed"] * 20

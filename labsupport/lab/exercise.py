@@ -58,6 +58,7 @@ class Exercise:
     grade: Callable[[object, str], str]    # (what the cell defined, the cell's source) -> success message
     hints: tuple[str, ...]
     solution: str                          # a cell body that solves it
+    ranks: int = 0                         # how many ranks its check runs on (0: in the notebook's process)
     bug_lab: bool = False
     status: str = UNSOLVED
     hints_shown: int = field(default=0, repr=False)
@@ -141,15 +142,12 @@ def solution(name: str, load: bool = True) -> str:
     return cell
 
 
-def progress(notebook: str | None = None) -> list[tuple[str, str, str]]:
-    """Print and return (notebook, exercise, status) for every exercise (of one notebook)."""
+def progress(notebook: str | None = None) -> None:
+    """Print every exercise (of one notebook, e.g. "00") with its status."""
     _load_all()
-    rows = [(ex.notebook, ex.name, ex.status) for ex in EXERCISES.values()
-            if notebook is None or ex.notebook == notebook]
-    width = max(len(name) for _, name, _ in rows)
-    done = sum(status == SOLVED for *_, status in rows)
+    rows = [ex for ex in EXERCISES.values() if notebook is None or ex.notebook == notebook]
+    width = max(len(ex.name) for ex in rows)
     print(f"{'nb':<4}{'exercise':<{width + 2}}status")
-    for nb, name, status in rows:
-        print(f"{nb:<4}{name:<{width + 2}}{'✔ ' if status == SOLVED else '  '}{status}")
-    print(f"{done} of {len(rows)} done")
-    return rows
+    for ex in rows:
+        print(f"{ex.notebook:<4}{ex.name:<{width + 2}}{'✔ ' if ex.status == SOLVED else '  '}{ex.status}")
+    print(f"{sum(ex.status == SOLVED for ex in rows)} of {len(rows)} done")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..estimate import collective_steps
 from ..estimate.comm_cost import BUS_FACTOR
 from . import on_ranks
-from .exercise import Exercise, Unsolved, Wrong, register
+from .exercise import EXERCISES, Exercise, Unsolved, Wrong, register
 
 RING_RANKS = 4
 CHUNK = 2  # elements per chunk: a shape mistake shows too
@@ -82,7 +82,7 @@ def _grade_ring(name: str, check: str, what: str):
 
 
 register(Exercise(
-    name="ring_reduce_scatter_step", notebook="00", title="One step of the ring reduce-scatter",
+    name="ring_reduce_scatter_step", notebook="00", title="One step of the ring reduce-scatter", ranks=RING_RANKS,
     grade=_grade_ring("ring_reduce_scatter_step", "check_reduce_scatter_step",
                       "each rank ends with its own chunk summed over all ranks"),
     hints=("At step s rank r sends chunk (r - s - 1) mod world to rank (r + 1) mod world.",
@@ -103,7 +103,7 @@ def ring_reduce_scatter_step(chunks, step, rank, world):
 '''))
 
 register(Exercise(
-    name="ring_all_gather_step", notebook="00", title="One step of the ring all-gather",
+    name="ring_all_gather_step", notebook="00", title="One step of the ring all-gather", ranks=RING_RANKS,
     grade=_grade_ring("ring_all_gather_step", "check_all_gather_step",
                       "every rank ends holding every chunk"),
     hints=("Rank r starts with chunk r. At step s it passes chunk (r - s) mod world to the right.",
@@ -176,14 +176,14 @@ def check_mean_loss(fn) -> dict:
 
 
 def grade_mean_loss(fn, source) -> str:
-    return on_ranks.grade(source, __name__, "check_mean_loss(mean_loss)", 2,
+    return on_ranks.grade(source, __name__, "check_mean_loss(mean_loss)", EXERCISES["mean_loss"].ranks,
                           "every rank made the same all-reduce: no hang, and the mean is right",
                           "Every rank must make the same collective calls in the same order; which call does "
                           "one rank make alone?", timeout=10)
 
 
 register(Exercise(
-    name="mean_loss", notebook="00", title="Find the bug: the loss that is logged only on rank 0",
+    name="mean_loss", notebook="00", title="Find the bug: the loss that is logged only on rank 0", ranks=2,
     grade=grade_mean_loss, bug_lab=True,
     hints=("Which ranks reach the all_reduce? Look at the `if` around it.",
            "A collective is a meeting: it returns only when every rank of the group has called it. "

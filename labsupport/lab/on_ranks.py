@@ -8,6 +8,7 @@ feedback (the timeout names where the ranks waited) instead of a stuck notebook.
 from __future__ import annotations
 
 import io
+import re
 import tempfile
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def grade(source: str, module: str, call: str, nproc: int, success: str, hang_ad
     from .exercise import Wrong
     try:
         results = run(source, module, call, nproc, timeout)
-    except RanksFailed as e:
-        raise Wrong(f"the ranks did not finish: {e}. {hang_advice}") from None
+    except RanksFailed as e:  # the check's run directory is gone with its temporary folder: no "logs in"
+        where = re.sub(r"[;,]? *\(?logs in [^\s)]+\)?", "", str(e)).strip()
+        raise Wrong(f"the ranks did not finish: {where}. {hang_advice}") from None
     return verdict(results, success)
 
 

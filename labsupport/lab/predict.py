@@ -10,23 +10,27 @@ the question still gets its answer, so the notebook runs top to bottom as shippe
 from __future__ import annotations
 
 
-def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.1) -> str:
+def _number(x) -> str:
+    """1,572,864 for counts, 357.8 for measurements: what a reader would write."""
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) >= 1e4):
+        return f"{int(x):,}"
+    return f"{x:,.4g}"
+
+
+def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.1) -> None:
     """Print the guess beside the measured value, and `why` the value is what it is.
 
     Numbers count as right within `tolerance` (relative); anything else must be equal.
-    Returns "right", "off" or "no guess".
     """
-    shown = f"{measured:,.6g} {unit}".strip() if isinstance(measured, (int, float)) else f"{measured}"
+    numbers = isinstance(measured, (int, float)) and isinstance(guess, (int, float))
+    shown = f"{_number(measured)} {unit}".strip() if isinstance(measured, (int, float)) else repr(measured)
     if guess is None:
-        verdict, line = "no guess", f"No prediction entered. Measured: {shown}."
-    elif isinstance(measured, (int, float)) and isinstance(guess, (int, float)):
+        line = f"No prediction entered. Measured: {shown}."
+    elif numbers:
         ratio = guess / measured if measured else float("inf") if guess else 1.0
-        right = abs(ratio - 1) <= tolerance
-        verdict = "right" if right else "off"
-        line = (f"You predicted {guess:,.6g}; measured {shown}: "
-                + ("right." if right else f"off by a factor {max(ratio, 1 / ratio) if ratio else float('inf'):.3g}."))
+        line = f"You predicted {_number(guess)}; measured {shown}: " + (
+            "right." if abs(ratio - 1) <= tolerance else
+            f"off by a factor {max(ratio, 1 / ratio) if ratio else float('inf'):.3g}.")
     else:
-        verdict = "right" if guess == measured else "off"
-        line = f"You predicted {guess!r}; the answer is {measured!r}: " + ("right." if verdict == "right" else "not quite.")
+        line = f"You predicted {guess!r}; the answer is {shown}: " + ("right." if guess == measured else "not quite.")
     print(line + (f" {why}" if why else ""))
-    return verdict

@@ -3,7 +3,8 @@
 Every number here comes from `labsupport.estimate.memory.estimate_memory`, the function behind
 `labsupport memory`; this module only chooses the inputs, formats the outputs and draws them:
 
-    MemoryWidget(...)                 controls -> estimate_memory(...) -> readout + stacked bar
+    MemoryWidget(...)                 controls -> estimate_memory(...) -> readout + stacked bar;
+                                      .figure(): the same bar as a static Figure (show(w, w.figure()))
     memory_figure(...)                the same stacked bars as a static matplotlib Figure
     measured_vs_predicted_figure(..)  a run's measured bytes beside the prediction, per category
 
@@ -257,12 +258,25 @@ class MemoryWidget:
         self.image.value = self.png
         return est
 
+    def figure(self):
+        """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`.
+
+        Stored notebooks keep no widget state, so `labsupport.widgets.show.show(w, w.figure())`
+        puts this picture beside the live widget in one output.
+        """
+        if self.estimate is None:
+            raise ValueError(f"the widget shows no estimate: {self.error}")
+        opts = self.options()
+        label = opts["model"] if opts["model"] != CUSTOM else f"{self.controls['n_params'].value:.3g} params"
+        title = f"{label}, {opts['precision']}, micro-batch {opts['micro_batch']}"
+        return self._figure(label, self.estimate, self.controls["gpu_memory_gb"].value, title)
+
     @staticmethod
-    def _figure(label, est, gpu):
+    def _figure(label, est, gpu, title=None):
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(4.6, 3.6), layout="constrained")
-        _draw_stacked(fig.add_subplot(), [label], [est], gpu)
+        _draw_stacked(fig.add_subplot(), [label], [est], gpu, title)
         return fig
 
     def _repr_mimebundle_(self, **kwargs):
