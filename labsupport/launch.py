@@ -168,9 +168,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """SIGTERM the process and all its descendants, SIGKILL what is left after `grace_s`."""
-    pids = [proc.pid] + descendants(proc.pid)
+def kill_pids(pids: list[int], grace_s: float = 3.0, reap=lambda: None) -> None:
+    """SIGTERM every pid, SIGKILL what is left after `grace_s`. `reap` collects our own exited
+    children while we wait (else they stay zombies and look alive)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -179,10 +179,15 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
                 pass
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            proc.poll()
+            reap()
             if not any(_alive(p) for p in pids):
                 break
             time.sleep(0.05)
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM the process and all its descendants, SIGKILL what is left after `grace_s`."""
+    kill_pids([proc.pid] + descendants(proc.pid), grace_s, reap=proc.poll)
     proc.wait()
 
 

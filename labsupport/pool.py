@@ -42,8 +42,8 @@ import traceback
 from pathlib import Path
 
 from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, _alive,
-                     _crashed_ranks, _innermost_frame, check_nproc, descendants, free_port, make_run_dir,
-                     display_path)
+                     _crashed_ranks, _innermost_frame, check_nproc, descendants, display_path, free_port,
+                     kill_pids, make_run_dir)
 from .rank import die_with_parent
 
 START_TIMEOUT_S = 120  # for the engines to register and the process group to form
@@ -196,7 +196,7 @@ class RankPool:
         pids = [launcher.pid for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
         if cluster.controller is not None:
             pids.append(cluster.controller.pid)
-        _kill([p for pid in pids if pid > 0 for p in (pid, *descendants(pid))])
+        kill_pids([p for pid in pids if pid > 0 for p in (pid, *descendants(pid))], grace_s=2.0)
         cluster.stop_cluster_sync()  # ipyparallel's bookkeeping (files, its exit hook); they are gone
 
     # ------------------------------------------------------------ running code on the ranks
@@ -420,19 +420,6 @@ def _failure_line(errors: dict[int, str]) -> str:
     for r, error in sorted(errors.items()):
         by_error.setdefault(error, []).append(r)
     return "; ".join(f"{_ranks_word(rs)} failed: {error}" for error, rs in by_error.items())
-
-
-def _kill(pids: list[int], grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL whatever is left after `grace_s` (launch.kill_tree, for pids we did not Popen)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- inside the controller and engines
