@@ -4,9 +4,10 @@ The shipped notebooks run top to bottom unsolved under nbval. Here, for every no
 its exercises is in it once, ships as a template (or, for a find-the-bug lab, buggy) that says so
 without raising, no later cell uses the attendee's answer, there are at least three
 predict-then-run prompts and the progress table, and the stored outputs hold no error, no
-absolute path and no widget text repr. Then the exercise cells run again exactly as stored with
-LABSUPPORT_SOLUTIONS=1, so every `%%exercise` cell runs its reference solution and must pass its
-check (on real ranks where the subject is distributed): solutions cannot rot. Exercise cells do
+absolute path and no widget text repr. Then each exercise cell runs exactly as stored, first as
+shipped (it must say "not yet" or show its bug, not fail), then with LABSUPPORT_SOLUTIONS=1, so it
+runs its reference solution and must pass its check (on real ranks where the subject is
+distributed): solutions cannot rot. Exercise cells do
 not depend on the cells around them, so running only them keeps this fast.
 """
 import json
@@ -98,12 +99,27 @@ def test_stored_outputs_are_clean(path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @notebooks
-def test_the_solutions_pass_in_the_notebooks_own_cells(path, monkeypatch, capsys):
-    monkeypatch.setenv("LABSUPPORT_SOLUTIONS", "1")
+def test_shipped_cells_say_not_yet_and_the_solutions_pass(path, monkeypatch, capsys):
+    """Each exercise cell as stored: "not solved yet" (or the bug's symptom), never an error; then
+    the same cell with LABSUPPORT_SOLUTIONS=1 passes. Distributed checks run on a pool of the size
+    most of the notebook's exercises need, as in the notebook (the others through a launch)."""
+    from labsupport.pool import ranks
+    found = exercise_cells(path)
+    sizes = [ex.get(name).ranks for name in found if ex.get(name).ranks]
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext labsupport", store_history=False)
-    for name, (_, cell) in exercise_cells(path).items():
-        result = shell.run_cell(cell, store_history=False)
-        out = capsys.readouterr().out
-        assert result.success and ex.get(name).status == ex.SOLVED, f"{path.name}, {name}: {out}"
-        assert f"✔ {name}:" in out
+    if sizes:
+        ranks.start(max(sizes, key=sizes.count), timeout=60)
+    try:
+        for name, (_, cell) in found.items():
+            monkeypatch.delenv("LABSUPPORT_SOLUTIONS", raising=False)
+            shipped = shell.run_cell(cell, store_history=False)
+            out = capsys.readouterr().out
+            expected = ex.BUGGY if ex.get(name).bug_lab else ex.UNSOLVED
+            assert shipped.success and ex.get(name).status == expected, f"{path.name}, {name} as shipped: {out}"
+            monkeypatch.setenv("LABSUPPORT_SOLUTIONS", "1")
+            solved = shell.run_cell(cell, store_history=False)
+            out = capsys.readouterr().out
+            assert solved.success and ex.get(name).status == ex.SOLVED and f"✔ {name}:" in out, f"{path.name}, {name}: {out}"
+    finally:
+        ranks.stop()

@@ -156,3 +156,18 @@ def test_timeline_imports_no_torch_distributed():
         names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                  else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         assert not any(n.startswith("torch") for n in names)
+
+
+def test_legend_names_every_colour_and_bucket_numbers_are_readable():
+    fig = tl.timeline_figure(BUCKETED)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert tl.LABELS["band"] in labels and tl.LABELS["hidden"] in labels and tl.LABELS["exposed"] in labels
+    band = [h for h in fig.legends[0].legend_handles if h.get_label() == tl.LABELS["band"]]
+    assert band and band[0].get_alpha() == tl.BAND_ALPHA
+    numbers = [t for t in fig.axes[1].texts if t.get_text().strip().isdigit()]
+    assert numbers and all(t.get_fontsize() >= 9 for t in numbers)  # rank 1's buckets are in flight together
+
+
+def test_summary_has_the_step_duration():
+    t = BUCKETED[1]
+    assert tl.summary(t)["step_s"] == pytest.approx(max(e["end"] for e in t["events"]) - min(e["start"] for e in t["events"]))

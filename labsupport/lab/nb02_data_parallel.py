@@ -41,7 +41,9 @@ def _single_device_grads(model, batch) -> dict:
     return {name: p.grad.clone() for name, p in reference.named_parameters()}
 
 
-def _compare_grads(model, want: dict, rank: int) -> dict:
+def _compare_grads(model, want: dict, rank: int, advise: bool = True) -> dict:
+    """The first gradient that differs from one device's, with what it looks like (and, for an
+    exercise, what to do; a find-the-bug lab shows the symptom only)."""
     for name, p in model.named_parameters():
         if p.grad is None:
             return {"status": "wrong", "message": f"on rank {rank} {name} has no gradient after synchronization"}
@@ -49,9 +51,10 @@ def _compare_grads(model, want: dict, rank: int) -> dict:
             ratio = (p.grad.norm() / want[name].norm()).item()
             why = ""
             if abs(ratio - RANKS) < 1e-3:
-                why = f": {RANKS}x, the sum over the ranks; average them (op='avg')"
+                why = f": {RANKS}x, the sum over the ranks" + ("; average them (op='avg')" if advise else "")
             elif bool((p.grad - p.detach()).abs().max() < 1e-6):
-                why = ": it equals the weights. The hook receives the parameter, not its gradient: read param.grad"
+                why = ": it equals the weights" + (
+                    ". The hook receives the parameter, not its gradient: read param.grad" if advise else "")
             return {"status": "wrong", "message": f"on rank {rank} the synchronized gradient of {name} is "
                                                   f"{ratio:.3g}x the single-device one in norm{why}"}
     return {"status": "ok"}
@@ -97,7 +100,7 @@ def grade_bucketed_hook(fn, source) -> str:
 
 
 register(Exercise(
-    name="on_grad_ready", notebook="02", title="The bucketed DDP hook and the bucket launch",
+    name="on_grad_ready", notebook="02", ranks=RANKS, title="The bucketed DDP hook and the bucket launch",
     grade=grade_bucketed_hook,
     hints=("The hook gets the parameter: its gradient is param.grad. Mark it ready with bucket.ready.add(id(param)).",
            "When len(bucket.ready) == len(bucket.params) the bucket is full: copy each p.grad into its slice of "
@@ -135,7 +138,7 @@ def check_naive_ddp(register_hooks) -> dict:
     if out["status"] != "ok":
         return out
     lm_loss(model(x), y).backward()
-    return _compare_grads(model, want, comm.get_rank())
+    return _compare_grads(model, want, comm.get_rank(), advise=False)
 
 
 def grade_naive_ddp(fn, source) -> str:
@@ -144,7 +147,7 @@ def grade_naive_ddp(fn, source) -> str:
 
 
 register(Exercise(
-    name="register_hooks", notebook="02", title="Find the bug: a naive DDP hook (from a real code base)",
+    name="register_hooks", notebook="02", ranks=RANKS, title="Find the bug: a naive DDP hook (from a real code base)",
     grade=grade_naive_ddp, bug_lab=True,
     hints=("Print what the hook receives: its type, its shape, whether it has a .grad.",
            "register_post_accumulate_grad_hook calls the hook with the parameter, after its .grad is complete. "
@@ -167,7 +170,7 @@ def check_sync_gradients(sync_gradients) -> dict:
     out = on_ranks.on_rank(sync_gradients, model)
     if out["status"] != "ok":
         return out
-    return _compare_grads(model, want, comm.get_rank())
+    return _compare_grads(model, want, comm.get_rank(), advise=False)
 
 
 def grade_sync_gradients(fn, source) -> str:
@@ -177,7 +180,7 @@ def grade_sync_gradients(fn, source) -> str:
 
 
 register(Exercise(
-    name="sync_gradients", notebook="02", title="Find the bug: losses agree, gradients don't",
+    name="sync_gradients", notebook="02", ranks=RANKS, title="Find the bug: losses agree, gradients don't",
     grade=grade_sync_gradients, bug_lab=True,
     hints=("Compare the gradient norms of the two runs above, not only the losses.",
            "Each rank's gradient is the mean over its share of the batch; the whole batch's gradient is the "

@@ -35,10 +35,13 @@ from .show import figure_png
 COMPUTE_OPS = ("forward", "backward", "finish_backward", "optimizer")
 LABELS = {"forward": "forward", "backward": "backward", "finish_backward": "finish backward (wait for gradients)",
           "optimizer": "optimizer step", "hidden": "all-reduce, hidden behind backward",
-          "exposed": "all-reduce, exposed"}
+          "exposed": "all-reduce, exposed", "band": "backward pass running (where an all-reduce can hide)"}
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "finish_backward": "#CCB974", "optimizer": "#8172B2",
           "hidden": "#8FD19E", "exposed": "#C44E52"}
 COMM_OPS = ("all_reduce",)
+BAND_ALPHA = 0.12   # the pale band that marks the backward pass over the communication lane
+BUCKET_FONT = 9     # points: the bucket numbers beside the bars must stay readable in a stored PNG
+ROW_IN = 0.2        # inches per sub-row of the communication lane, so 9 pt numbers fit beside the bars
 
 
 def load_traces(run_dir) -> list[dict]:
@@ -66,10 +69,13 @@ def comm_events(trace: dict) -> list[dict]:
 
 
 def summary(trace: dict) -> dict:
-    """metrics.overlap of the step, plus how many all-reduces it made and their payload bytes."""
+    """metrics.overlap of the step, plus how many all-reduces it made, their payload bytes, and the
+    step's duration on that rank (`step_s`: from its first recorded event to its last)."""
     calls = comm_events(trace)
-    return {**overlap(trace["events"]), "calls": len(calls),
-            "payload_bytes": sum(e.get("payload_bytes", 0) for e in calls)}
+    events = trace["events"]
+    return {**overlap(events), "calls": len(calls),
+            "payload_bytes": sum(e.get("payload_bytes", 0) for e in calls),
+            "step_s": max(e["end"] for e in events) - min(e["start"] for e in events)}
 
 
 def describe_rank(trace: dict) -> str:
@@ -121,7 +127,7 @@ def draw_rank(ax, trace: dict, show_buckets: bool = True) -> dict:
                     color=COLORS[e["op"]], edgecolor="white", linewidth=0.5)
     backward = [(ms(e["start"]), ms(e["end"])) for e in events if e["op"] == "backward"]
     for x0, x1 in backward:  # where the backward pass runs, a light band over the communication lane
-        ax.axvspan(x0, x1, ymin=0.0, ymax=0.5, color=COLORS["backward"], alpha=0.12, linewidth=0, zorder=0)
+        ax.axvspan(x0, x1, ymin=0.0, ymax=0.5, color=COLORS["backward"], alpha=BAND_ALPHA, linewidth=0, zorder=0)
 
     calls = comm_events(trace)
     rows = _rows(calls)
@@ -135,8 +141,8 @@ def draw_rank(ax, trace: dict, show_buckets: bool = True) -> dict:
         if backward:
             (hidden,) = ax.barh(y, width, left=left, height=0.85 * height, color=COLORS["hidden"], linewidth=0)
             hidden.set_clip_path(clip, ax.transData)
-        if show_buckets and "bucket" in e and n_rows > 1 and height >= 0.06:
-            ax.text(left, y, f"{e['bucket']} ", ha="right", va="center", fontsize=6, color="#555555")
+        if show_buckets and "bucket" in e and n_rows > 1:
+            ax.text(left, y, f"{e['bucket']} ", ha="right", va="center", fontsize=BUCKET_FONT, color="#333333")
 
     s = summary(trace)
     ax.set_yticks([0.5, 1.5], ["all-reduce", "compute"])
@@ -148,24 +154,33 @@ def draw_rank(ax, trace: dict, show_buckets: bool = True) -> dict:
 
 
 def legend_handles() -> list[Patch]:
-    return [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in (*COMPUTE_OPS, "hidden", "exposed")]
+    """Every colour of the figure, the pale backward band included."""
+    return ([Patch(facecolor=COLORS[k], label=LABELS[k]) for k in (*COMPUTE_OPS, "hidden", "exposed")]
+            + [Patch(facecolor=COLORS["backward"], alpha=BAND_ALPHA, label=LABELS["band"])])
+
+
+def comm_rows(trace: dict) -> int:
+    """How many sub-rows the trace's all-reduces need (calls in flight at the same time stack)."""
+    return max(_rows(comm_events(trace)), default=0) + 1
 
 
 def timeline_figure(traces: list[dict], title: str | None = None, show_buckets: bool = True):
     """A static Figure of one step: one axis per rank (rank order), compute above, all-reduces below.
 
     An all-reduce bar is green where it runs during the backward pass (hidden) and red where it
-    does not (exposed); bucket numbers are written beside the bars of bucketed runs.
+    does not (exposed); a pale band over the communication lane marks the backward pass (it is in
+    the legend too); bucket numbers (9 pt) are written beside the bars of bucketed runs.
     """
     if not traces:
         raise ValueError("no traces to draw: pass load_traces(run_dir)")
     n = len(traces)
-    fig = NotebookFigure(figsize=(8.6, 0.9 + 1.45 * n), layout="constrained")
+    per_rank = max(1.45, 0.75 + ROW_IN * max(comm_rows(t) for t in traces))  # room for 9 pt bucket numbers
+    fig = NotebookFigure(figsize=(8.6, 1.1 + per_rank * n), layout="constrained")
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
     for ax, trace in zip(axes, traces):
         draw_rank(ax, trace, show_buckets)
     axes[-1].set_xlabel("time within the step (ms), from each rank's first event")
-    fig.legend(handles=legend_handles(), loc="outside lower center", ncol=3, frameon=False, fontsize=8)
+    fig.legend(handles=legend_handles(), loc="outside lower center", ncol=2, frameon=False, fontsize=9)
     if title:
         fig.suptitle(title, fontsize=11)
     return fig
