@@ -30,6 +30,33 @@ def test_summary_bandwidths_and_ratio_from_known_timings():
     assert big["busbw_GBps"] == pytest.approx(big["algbw_GBps"] * 2 * 3 / 4)  # nccl-tests factor 2(n-1)/n
 
 
+def test_measure_warms_every_size_then_interleaves_them(monkeypatch):
+    """Issue 9: sizes timed one after the other made the first, 4 KiB, pay for the start of the run
+    (~6x slower than 16 KiB). Every size is warmed before any is timed, then rounds visit them shuffled."""
+    import labsupport.bench
+
+    calls = []
+
+    def fake_cases(size):  # what measure() times, without ranks: each "function" names its size
+        return {op: {"ours": size, "reference": size} for op in ("all_reduce", "broadcast")}
+
+    def fake_alternate(impls, repeats, sync):
+        size = next(iter(impls.values()))
+        calls.append((size, repeats))
+        return {name: [size * 1e-9] * repeats for name in impls}
+
+    monkeypatch.setattr(collectives, "_cases", fake_cases)
+    monkeypatch.setattr(labsupport.bench, "alternate", fake_alternate)
+    sizes, repeats = [4096, 16384, 65536, 262144], 4
+    rows = collectives.measure(sizes, repeats)
+    warm, timed = calls[:2 * len(sizes)], calls[2 * len(sizes):]
+    assert sorted({s for s, _ in warm}) == sizes and {r for _, r in warm} == {collectives.WARMUP}
+    assert len(timed) == 2 * len(sizes) * repeats and {r for _, r in timed} == {collectives.PER_VISIT}
+    rounds = [[s for s, _ in timed[i:i + 2 * len(sizes):2]] for i in range(0, len(timed), 2 * len(sizes))]
+    assert all(sorted(r) == sizes for r in rounds) and any(r != sizes for r in rounds)
+    assert len(rows) == 2 * 2 * len(sizes) and all(r["seconds"] == r["bytes"] * 1e-9 for r in rows)
+
+
 def test_bad_bench_options_fail_before_launch():
     res = run_cli("bench", "collectives", "--nproc", "1")
     assert res.returncode == 2 and "needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr

@@ -8,9 +8,13 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+
 from labsupport.estimate.collective_steps import COLLECTIVES, schedule, simulate  # noqa: E402
-from labsupport.widgets.collectives import (CollectivesWidget, collectives_figure, format_state,  # noqa: E402
-                                            format_value, symbolic_initial, walkthrough)
+from labsupport.widgets.collectives import (DPI, CollectivesWidget, collectives_figure, draw_single,  # noqa: E402
+                                            format_state, format_value, symbolic_initial, walkthrough)
 
 WIDGETS = Path(__file__).resolve().parent.parent / "labsupport" / "widgets"
 
@@ -153,3 +157,86 @@ def test_widgets_never_import_torch_distributed():
              "print(sorted(m for m in sys.modules if m.startswith('torch.distributed')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- what the pictures look like
+
+def rendered(fig, dpi=DPI):
+    """Draw `fig` as the PNG would be and return a renderer to measure its artists with."""
+    fig.set_dpi(dpi)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def covered_labels(fig):
+    """(label text, the arrow's zorder, the label) for every label whose box an arrow's box overlaps."""
+    renderer = rendered(fig)
+    for ax in fig.axes:
+        arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+        labels = [t for t in ax.texts if t.get_text()] + ax.get_xticklabels() + ax.get_yticklabels()
+        for label in labels:
+            box = label.get_window_extent(renderer)
+            for arrow in arrows:
+                if arrow.get_window_extent(renderer).overlaps(box):
+                    yield label.get_text(), arrow.get_zorder(), label
+
+
+ROUTED = [c for c in COLLECTIVES if c != "all_to_all"]  # every arrow can go around the labels
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("collective", ROUTED)
+def test_no_arrow_covers_a_label(collective, n):
+    """Issue 9: arrowheads drawn over 'a2+b2' made it read 'a2+b7'. Arrows run between the boxes."""
+    assert list(covered_labels(collectives_figure(collective, n))) == []
+    walk = walkthrough(collective, n)
+    for k in sorted({1, len(walk) // 2, len(walk) - 1} - {0}):  # the widget's picture, at its own scale
+        fig = Figure()
+        draw_single(fig, walk, k)
+        assert [text for text, _, _ in covered_labels(fig)] == [], f"step {k}"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_to_all_arrows_pass_under_the_labels(n):
+    """All-to-all arrows must cross boxes, so each label they cross is drawn above them, on an opaque patch."""
+    fig = Figure()
+    draw_single(fig, walkthrough("all_to_all", n), 1)
+    crossed = list(covered_labels(fig)) + list(covered_labels(collectives_figure("all_to_all", n)))
+    assert crossed or n == 2  # the test looks at something
+    for text, arrow_z, label in crossed:
+        patch = label.get_bbox_patch()
+        assert label.get_zorder() > arrow_z and patch is not None and patch.get_facecolor()[3] == 1, text
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_stepper_text_is_readable_at_8_ranks(collective):
+    """Issue 9: 7 px labels at 8 ranks. Every text of the widget's picture is >= 9 pt and fits its box."""
+    walk = walkthrough(collective, 8)
+    for k in range(len(walk)):
+        fig = Figure()
+        draw_single(fig, walk, k, caption=False)
+        renderer = rendered(fig)
+        ax = fig.axes[0]
+        texts = (fig.texts + [fig._suptitle] + ax.texts + ax.get_xticklabels() + ax.get_yticklabels())
+        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_text() and t.get_fontsize() < 9]
+        assert small == [], f"step {k}"
+        boxes = [p.get_window_extent(renderer) for p in ax.patches if isinstance(p, FancyBboxPatch)]
+        for t in ax.texts:
+            extent = t.get_window_extent(renderer)
+            assert any(b.x0 <= extent.x0 and extent.x1 <= b.x1 and b.y0 <= extent.y0 and extent.y1 <= b.y1
+                       for b in boxes), f"step {k}: {t.get_text()!r} sticks out of its box"
+        assert fig.get_figwidth() * DPI <= 900  # still fits a notebook's output area
+
+
+def test_the_widget_explains_each_step_once():
+    """Issue 9: the picture's caption, the text under it and each listed send all said what the step
+    does. Now the picture has no caption and the text says it once, then lists the sends."""
+    w = CollectivesWidget("all_reduce", 8)
+    w.step()
+    caption = w.transfers.value
+    assert caption.count("adds") == 1 and caption.count("sends") == 1 + 8  # how, once; then each send
+    assert w.step_label.value == "step 1 of 14" and "Step 1" not in caption  # the label numbers the step
+    assert [t.get_text() for t in w._fig.texts if "Step" in t.get_text()] == []
+    fig = collectives_figure("all_reduce", 8, step=1)  # the static picture keeps its caption
+    assert any(t.get_text().startswith("Step 1 of 14") for t in fig.texts)

@@ -15,6 +15,7 @@ from ..estimate.comm_cost import algbw, busbw, fit_alpha_beta
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes: 4 KB .. 16 MB
 HEADLINE_BYTES = 2**24
 WARMUP = 3  # untimed rounds first, as nccl-tests does: the first calls of a process are slow
+PER_VISIT = 3  # timed calls of each implementation each time a round comes to a size
 
 
 def check(nproc: int, sizes=None, repeats: int = 5) -> None:
@@ -37,36 +38,58 @@ def _parse_sizes(sizes) -> list[int]:
 
 
 def measure(sizes: list[int], repeats: int) -> list[dict]:
-    """Run on every rank; returns raw timings (rank 0's are reported)."""
+    """Run on every rank; returns raw timings (rank 0's are reported): the median of
+    `repeats` x PER_VISIT calls of each implementation, for each op and size.
+
+    Every size is warmed up before any is timed, and each of the `repeats` rounds visits the
+    sizes in a new shuffled order. Timing one size to the end before the next made the first
+    size, 4 KiB, pay for the start of the run (the other processes of the launch still busy on
+    the 2 cores) and let one burst of load spoil all of one size's samples: 4 KiB came out
+    ~6x slower than 16 KiB. Now a burst costs a few samples of several sizes, which the median drops.
+    """
+    import random
+
+    import torch.distributed as dist
+
+    from . import alternate, median
+
+    cases = {size: _cases(size) for size in sizes}
+    for size in sizes:  # untimed, as nccl-tests does: connections, allocator, caches
+        for impls in cases[size].values():
+            alternate(impls, WARMUP, sync=dist.barrier)
+    times = {(size, op): {impl: [] for impl in impls} for size in sizes for op, impls in cases[size].items()}
+    order = random.Random(0)  # the same seed on every rank: all ranks must call the same collectives
+    for _ in range(repeats):
+        for size in order.sample(sizes, len(sizes)):
+            for op, impls in cases[size].items():
+                for impl, ts in alternate(impls, PER_VISIT, sync=dist.barrier).items():
+                    times[size, op][impl] += ts
+    return [{"op": op, "impl": impl, "bytes": size, "seconds": median(ts)}
+            for (size, op), by_impl in times.items() for impl, ts in by_impl.items()]
+
+
+def _cases(size: int) -> dict:
+    """op -> {"ours": fn, "reference": fn} on float32 buffers of `size` bytes."""
     import torch
     import torch.distributed as dist
 
     from .. import algorithms, comm
-    from . import alternate, median
 
     n = comm.get_world_size()
-    rows = []
-    for size in sizes:
-        x = torch.rand(size // 4, generator=torch.Generator().manual_seed(comm.get_rank()))
-        gathered = torch.empty(n * (x.numel() // n))
-        mine = x[: x.numel() // n].clone()
-        shard = torch.empty(x.numel() // n)
-        cases = {
-            "all_reduce": {"ours": lambda: algorithms.ring_all_reduce(x.clone()),
-                           "reference": lambda: dist.all_reduce(x.clone())},
-            "all_gather": {"ours": lambda: algorithms.ring_all_gather(gathered, mine),
-                           "reference": lambda: comm.all_gather_into_tensor(gathered, mine)},
-            "reduce_scatter": {"ours": lambda: algorithms.ring_reduce_scatter(x[: n * shard.numel()]),
-                               "reference": lambda: dist.reduce_scatter(shard, list(x[: n * shard.numel()].chunk(n)))},
-            "broadcast": {"ours": lambda: algorithms.tree_broadcast(x.clone(), 0),
-                          "reference": lambda: dist.broadcast(x.clone(), 0)},
-        }
-        for op, impls in cases.items():
-            alternate(impls, WARMUP, sync=dist.barrier)  # connections, allocator, caches
-            times = alternate(impls, repeats, sync=dist.barrier)
-            for impl, ts in times.items():
-                rows.append({"op": op, "impl": impl, "bytes": size, "seconds": median(ts)})
-    return rows
+    x = torch.rand(size // 4, generator=torch.Generator().manual_seed(comm.get_rank()))
+    gathered = torch.empty(n * (x.numel() // n))
+    mine = x[: x.numel() // n].clone()
+    shard = torch.empty(x.numel() // n)
+    return {
+        "all_reduce": {"ours": lambda: algorithms.ring_all_reduce(x.clone()),
+                       "reference": lambda: dist.all_reduce(x.clone())},
+        "all_gather": {"ours": lambda: algorithms.ring_all_gather(gathered, mine),
+                       "reference": lambda: comm.all_gather_into_tensor(gathered, mine)},
+        "reduce_scatter": {"ours": lambda: algorithms.ring_reduce_scatter(x[: n * shard.numel()]),
+                           "reference": lambda: dist.reduce_scatter(shard, list(x[: n * shard.numel()].chunk(n)))},
+        "broadcast": {"ours": lambda: algorithms.tree_broadcast(x.clone(), 0),
+                      "reference": lambda: dist.broadcast(x.clone(), 0)},
+    }
 
 
 def summarize(report: dict, nproc: int) -> dict:

@@ -26,7 +26,8 @@ import string
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyBboxPatch
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from matplotlib.path import Path
 
 from .show import figure_png, notebook_figure_class
 from ..estimate.collective_steps import COLLECTIVES, Transfer, initial_state, schedule, simulate
@@ -40,7 +41,8 @@ COPY_COLOR = "#1f5f99"  # a transfer that overwrites (stores into) the receiver'
 RANK_COLORS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d",
                "#9edae5", "#c7c7c7")  # pastel tab20: the colour of data that came from one rank only
 FULL_SUM_COLOR = "#3c7d5a"  # a chunk summed over every rank
-DPI = 100  # of the widget's picture: 500 to 800 pixels wide for 2 to 8 ranks
+DPI = 100  # of the widget's picture: 500 to 860 pixels wide for 2 to 8 ranks
+FONT = 9  # points, every text in the widget's picture: 12.5 px at DPI, readable at 8 ranks
 PARTIAL_SUM_COLORS = ("#e8e1f2", "#d5c8e8", "#c1aedd", "#ad95d2", "#9a7dc6", "#8866ba", "#7652ad")
 
 
@@ -78,26 +80,33 @@ def format_state(state: list[list]) -> str:
                      for r, row in enumerate(cells))
 
 
-def describe_transfer(t: Transfer) -> str:
-    """'rank 0 sends chunk 2 to rank 1, which adds it in' and the like."""
+def describe_transfer(t: Transfer, how: bool = True) -> str:
+    """'rank 0 sends chunk 2 to rank 1, which adds it in (reduce)' and the like; `how=False` leaves
+    out what the receiver does, for a list of sends whose heading has said it."""
     what = "its whole buffer" if t.chunk is None else f"chunk {t.chunk}"
-    how = "adds it in (reduce)" if t.reduce else "stores it"
     where = f" as chunk {t.into}" if t.chunk is not None and t.into != t.chunk else ""
-    return f"rank {t.src} sends {what} to rank {t.dst}, which {how}{where}"
+    if not how:
+        return f"rank {t.src} sends {what} to rank {t.dst}{where}"
+    receiver = "adds it in (reduce)" if t.reduce else "stores it"
+    return f"rank {t.src} sends {what} to rank {t.dst}, which {receiver}{where}"
 
 
-def describe_step(steps: list[list[Transfer]], k: int) -> str:
-    """A one-line caption for state k (0 = before the first step)."""
+def describe_step(steps: list[list[Transfer]], k: int, numbered: bool = True) -> str:
+    """A one-line caption for state k (0 = before the first step), saying what happens once.
+
+    `numbered=False` leaves out "Step k of K: ", for the widget, whose step label shows it.
+    """
     if k == 0:
         return "Before the first step: each rank's data is named by its rank letter and chunk index."
     step = steps[k - 1]
-    head = f"Step {k} of {len(steps)}: "
+    head = f"Step {k} of {len(steps)}: " if numbered else ""
     if len(step) == 1:
-        return head + describe_transfer(step[0]) + "."
+        text = describe_transfer(step[0]) + "."
+        return head + (text if numbered else text[0].upper() + text[1:])
     kinds = {t.reduce for t in step}
     how = ("each receiver adds what it gets" if kinds == {True} else
            "each receiver stores what it gets" if kinds == {False} else "some add, some store")
-    return head + f"{len(step)} sends at the same time; {how}. E.g. {describe_transfer(step[0])}."
+    return head + f"{len(step)} sends at the same time; {how}."
 
 
 # ---------------------------------------------------------------- the schedule, played on names
@@ -126,14 +135,16 @@ def walkthrough(collective: str, n: int, root: int = 0) -> Walkthrough:
 # ---------------------------------------------------------------- drawing
 
 def _box_text(value, n: int) -> str:
-    """What fits in a box: the sum over lines of a few terms; 'Σ3' for chunk 3 summed over all of n > 4 ranks."""
+    """What fits in a box at a readable size: up to 3 terms two to a line ('a2+b2\n+c2'); beyond
+    that, on more than 4 ranks, 'Σ2' for chunk 2 summed over all ranks and 'Σ2\n5 ranks' over
+    some (the readout under the widget lists every term)."""
     parts = terms(value)
     if not parts:
         return ""
-    if len(parts) == n and n > 4:
-        return "Σ" + parts[0].lstrip(string.ascii_lowercase + "_r")
-    per_line = 2 if n <= 4 else 3
-    return "\n+".join("+".join(parts[i:i + per_line]) for i in range(0, len(parts), per_line))
+    if n > 4 and len(parts) > 3:
+        sigma = "Σ" + parts[0].lstrip(string.ascii_lowercase + "_r")
+        return sigma if len(parts) == n else f"{sigma}\n{len(parts)} ranks"
+    return "\n+".join("+".join(parts[i:i + 2]) for i in range(0, len(parts), 2))
 
 
 def _box_colors(value, n: int) -> tuple[str, str]:
@@ -151,15 +162,17 @@ def _box_colors(value, n: int) -> tuple[str, str]:
     return shade, "black"
 
 
-def draw_state(ax, walk: Walkthrough, k: int, *, fontsize: float | None = None, label: str | None = None) -> None:
+def draw_state(ax, walk: Walkthrough, k: int, *, fontsize: float = FONT, label: str | None = None) -> None:
     """Draw state k of `walk` on `ax`: one row per rank, one box per chunk, this step's transfers as arrows.
 
+    No arrow covers a label: a chunk moving within its column runs through the gap right of the
+    boxes and ends at the receiving box's edge; a whole buffer arcs through the left margin. Only
+    all-to-all arrows must cross boxes, so labels sit above the arrows on their box's colour.
     `label` goes under the panel (the small multiples say "start", "step 1", ...).
     """
     n = walk.n
     state = walk.states[k]
     step = walk.steps[k - 1] if k > 0 else []
-    fontsize = fontsize or (9 if n <= 4 else 7.5 if n <= 6 else 6.5)
     received = {}
     for t in step:
         for c in (range(n) if t.chunk is None else [t.into]):
@@ -174,24 +187,28 @@ def draw_state(ax, walk: Walkthrough, k: int, *, fontsize: float | None = None, 
             ax.add_patch(FancyBboxPatch((c + 0.08, r + 0.12), 0.84, 0.76, boxstyle="round,pad=0,rounding_size=0.08",
                                         facecolor=face, edgecolor=edge, linewidth=0.8 if hit is None else 2.2,
                                         linestyle="--" if value is None else "-", zorder=1))
-            ax.text(c + 0.5, r + 0.5, _box_text(value, n), ha="center", va="center", fontsize=fontsize,
-                    color=ink, zorder=2, linespacing=0.95)
+            text = _box_text(value, n)
+            if text:  # above the arrows (zorder 3), on the box's own colour
+                ax.text(c + 0.5, r + 0.5, text, ha="center", va="center", fontsize=fontsize, color=ink, zorder=4,
+                        linespacing=0.95, bbox=dict(boxstyle="square,pad=0.05", facecolor=face, edgecolor="none"))
 
+    head = 0.9 * fontsize  # arrowhead size, in points
     for t in step:
         color = REDUCE_COLOR if t.reduce else COPY_COLOR
-        props = dict(arrowstyle="-|>", color=color, lw=1.3, alpha=0.8, mutation_scale=11, shrinkA=1, shrinkB=1)
+        props = dict(arrowstyle="-|>", color=color, lw=1.3, alpha=0.85, mutation_scale=head, zorder=3)
         if t.chunk is None:  # the whole buffer: one arc in the left margin, from row to row
             span = abs(t.dst - t.src)
             rad = 0.45 / max(span, 1) ** 0.5 * (1 if t.dst > t.src else -1)
-            ax.annotate("", xy=(0.04, t.dst + 0.5), xytext=(0.04, t.src + 0.5), zorder=3,
-                        arrowprops={**props, "connectionstyle": f"arc3,rad={rad}"})
-        elif t.into == t.chunk:  # same column: along the gap right of the boxes, out and back in
-            x = t.chunk + 0.93
-            ax.annotate("", xy=(x, t.dst + 0.5), xytext=(x, t.src + 0.5), zorder=3,
-                        arrowprops={**props, "connectionstyle": "bar,armA=7,armB=7,fraction=0"})
-        else:  # a chunk that changes position (all-to-all): straight from box to box
-            ax.annotate("", xy=(t.into + 0.5, t.dst + 0.5), xytext=(t.chunk + 0.5, t.src + 0.5), zorder=3,
-                        arrowprops={**props, "lw": 0.9, "alpha": 0.55, "shrinkA": 6, "shrinkB": 6})
+            ax.add_patch(FancyArrowPatch((0.04, t.src + 0.5), (0.04, t.dst + 0.5), shrinkA=1, shrinkB=1,
+                                         connectionstyle=f"arc3,rad={rad}", **props))
+        elif t.into == t.chunk:  # same column: from the box's right edge into the gap, along it, and back
+            edge, gap = t.chunk + 0.92, t.chunk + 1.0
+            route = Path([(edge, t.src + 0.5), (gap, t.src + 0.5), (gap, t.dst + 0.5), (edge, t.dst + 0.5)])
+            ax.add_patch(FancyArrowPatch(path=route, **props))
+        else:  # a chunk that changes position (all-to-all): straight from box to box, under the labels
+            ax.add_patch(FancyArrowPatch((t.chunk + 0.5, t.src + 0.5), (t.into + 0.5, t.dst + 0.5),
+                                         shrinkA=1.3 * fontsize, shrinkB=1.3 * fontsize,
+                                         **{**props, "lw": 0.9, "alpha": 0.55}))
 
     ax.set_xlim(-0.6, n + 0.1)
     ax.set_ylim(n + 0.02, -0.02)  # rank 0 on top
@@ -218,28 +235,40 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(lines + [line])
 
 
-def _legend_text(walk: Walkthrough) -> str:
+def _legend_text(walk: Walkthrough, sep: str = "   ") -> str:
     uses_sigma = any("Σ" in _box_text(v, walk.n) for state in walk.states for row in state for v in row)
-    text = "red: sent and added in (reduce)   blue: sent and stored   dashed: not held"
-    return text + ("   Σ2 = a2+b2+…: chunk 2 summed over all ranks" if uses_sigma else "")
+    keys = ["red: added in (reduce)", "blue: stored", "dashed: not held"]
+    if uses_sigma:
+        keys.append("Σ2: chunk 2 summed over all ranks, or over as many as written under it")
+    return sep.join(keys)
 
 
-def draw_single(fig: Figure, walk: Walkthrough, k: int) -> None:
-    """Clear `fig` and draw state k of `walk` on it: title, the ranks' boxes, a caption and the legend."""
+def draw_single(fig: Figure, walk: Walkthrough, k: int, caption: bool = True) -> None:
+    """Clear `fig` and draw state k of `walk` on it: title, the ranks' boxes, a caption and the legend.
+
+    Every text is FONT points. The widget leaves the caption out (`caption=False`): its own text
+    under the picture says what the step does, and one explanation is enough.
+    """
     n = walk.n
-    width, row = max(5.0, 0.8 * n + 1.6), 0.5 if n <= 4 else 0.58
-    caption = _wrap(describe_step(walk.steps, k), int(width * 72 / (0.56 * 8.5)) - 4)
-    top, bottom = 0.55, 0.42 + 0.16 * (caption.count("\n") + 1)  # margins in inches
+    width, row = max(5.5, 0.9 * n + 1.4), 0.5 if n <= 4 else 0.6
+    chars = int(width * 72 / (0.56 * FONT)) - 4  # characters per line of wrapped text
+    lines = _wrap(describe_step(walk.steps, k), chars) if caption else ""
+    legend = _wrap(_legend_text(walk, sep=";  "), chars)
+    line = FONT * 1.3 / 72  # inches
+    top = 0.6
+    bottom = 0.4 + line * (legend.count("\n") + 1) + (line * (lines.count("\n") + 1) + 0.08 if lines else 0)
     height = n * row + top + bottom
     fig.clear()
     fig.set_size_inches(width, height)
     ax = fig.add_subplot()
     draw_state(ax, walk, k)
     root = f", root {walk.root}" if walk.collective in ROOTED else ""
-    fig.suptitle(f"{walk.collective} on {n} ranks{root}", fontsize=10, x=0.02, y=1 - 0.06 / height,
+    fig.suptitle(f"{walk.collective} on {n} ranks{root}", fontsize=FONT + 1, x=0.02, y=1 - 0.06 / height,
                  ha="left", va="top")
-    fig.text(0.02, 0.28 / height, caption, fontsize=8.5, ha="left", va="bottom", linespacing=1.25)
-    fig.text(0.02, 0.06 / height, _legend_text(walk), fontsize=7, color="#555555", ha="left", va="bottom")
+    fig.text(0.02, 0.06 / height, legend, fontsize=FONT, color="#555555", ha="left", va="bottom", linespacing=1.2)
+    if lines:
+        fig.text(0.02, (0.14 + line * (legend.count("\n") + 1)) / height, lines, fontsize=FONT,
+                 ha="left", va="bottom", linespacing=1.2)
     fig.subplots_adjust(left=0.9 / width, right=1 - 0.08 / width, top=1 - top / height, bottom=bottom / height)
 
 
@@ -260,13 +289,14 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
         return fig
     cols = min(4 if n <= 4 else 3 if n <= 6 else 2, len(walk))
     rows = -(-len(walk) // cols)
-    panel = (0.42 if n <= 4 else 0.6) * n + 0.9  # inches; wide enough for three terms per line
+    panel = (0.5 if n <= 4 else 0.6) * n + 0.9  # inches; wide enough for two terms per line
     fig.set_size_inches(cols * panel + 0.4, rows * (panel * 0.8 + 0.3) + 0.7)
     for k in range(len(walk)):
         ax = fig.add_subplot(rows, cols, k + 1)
-        draw_state(ax, walk, k, fontsize=5.5 if n > 4 else 6.5, label="start" if k == 0 else f"step {k}")
+        draw_state(ax, walk, k, fontsize=6.5, label="start" if k == 0 else f"step {k}")
     root_note = f", root {root}" if collective in ROOTED else ""
-    fig.suptitle(f"{collective} on {n} ranks{root_note}: {len(walk.steps)} steps", fontsize=10)
+    steps = f"{len(walk.steps)} step" + ("s" if len(walk.steps) != 1 else "")
+    fig.suptitle(f"{collective} on {n} ranks{root_note}: {steps}", fontsize=10)
     fig.text(0.01, 0.005, _legend_text(walk), fontsize=7, color="#555555", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     return fig
@@ -468,7 +498,7 @@ class CollectivesWidget:
         self.back_button.disabled = k <= 0
         self.step_label.value = self.step_text()
         if k not in self._png:
-            draw_single(self._fig, self.walk, k)
+            draw_single(self._fig, self.walk, k, caption=False)
             self._png[k] = figure_png(self._fig)
         self.image.value = self._png[k]
         self.image.layout.width = f"{round(self._fig.get_figwidth() * DPI)}px"  # natural size, not stretched
@@ -477,15 +507,18 @@ class CollectivesWidget:
                               + html.escape(self.state_text()) + "</pre>")
 
     def _transfers_html(self, k: int, limit: int = 8) -> str:
+        """The one explanation of the step shown: what happens, then each send (the first `limit`)."""
+        caption = html.escape(describe_step(self.walk.steps, k, numbered=False))
         if k == 0:
-            return ('<div style="line-height:1.35"><i>' + html.escape(describe_step(self.walk.steps, 0))
-                    + " Press step.</i></div>")
+            return f'<div style="line-height:1.35"><i>{caption} Press step.</i></div>'
         step = self.walk.steps[k - 1]
-        lines = [html.escape(describe_transfer(t)) for t in step[:limit]]
+        if len(step) == 1:
+            return f'<div style="line-height:1.35">{caption}</div>'
+        said = len({t.reduce for t in step}) == 1  # the caption said how every receiver combines
+        lines = [html.escape(describe_transfer(t, how=not said)) for t in step[:limit]]
         if len(step) > limit:
             lines.append(f"… and {len(step) - limit} more sends in this step")
-        return ('<div style="line-height:1.35">' + f"<b>Step {k}</b>, all at the same time:<br>"
-                + "<br>".join(lines) + "</div>")
+        return f'<div style="line-height:1.35">{caption}<br>' + "<br>".join(lines) + "</div>"
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
