@@ -138,6 +138,10 @@ class Runtime:
     distributed = property(lambda self: self.info.world_size > 1)
 
     def __enter__(self):
+        if self.distributed and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(
+                f"world size is {self.world_size} ({self.info.launcher}) but MASTER_ADDR is not set: "
+                "launch through torchrun or a labsupport job script")
         if self.info.launcher in ("slurm", "openmpi", "pals", "pmi"):
             # torch.distributed's env:// rendezvous reads the torchrun names; translate.
             os.environ.setdefault("RANK", str(self.info.rank))
@@ -147,10 +151,6 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.distributed and not dist.is_initialized():
-            if "MASTER_ADDR" not in os.environ:
-                raise RuntimeError(
-                    f"world size is {self.world_size} ({self.info.launcher}) but MASTER_ADDR is not set: "
-                    "launch through torchrun or a labsupport job script")
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
             # Before the group exists, see _destroy_world below: this module's functions take
             # `group=group.WORLD` as a default argument, evaluated once at import. torch imports

@@ -137,8 +137,10 @@ def test_interrupt_stops_every_process(tmp_path):
             time.sleep(120)
     """)
     run_dir = tmp_path / "run"
-    driver = subprocess.Popen([sys.executable, "-c", f"from labsupport import launch; "
-                               f"launch({str(job)!r}, nproc=2, run_dir={str(run_dir)!r})"],
+    # Ctrl-C's handler, whatever this test inherited: a shell's background job starts with SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler of its own
+    driver = subprocess.Popen([sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                               f"from labsupport import launch; launch({str(job)!r}, nproc=2, run_dir={str(run_dir)!r})"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + BOUND_S
     while not all((run_dir / f"pid-rank{r}").exists() for r in range(2)):

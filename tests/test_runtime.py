@@ -1,5 +1,6 @@
 """runtime: identity from every launcher's variables, device choice, threads; and the house rules."""
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,8 @@ def test_world_size_without_rendezvous_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
         with runtime.init():
             pass
+    # refused before it touched anything: no torchrun variables left behind for later code to find
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & set(os.environ)
 
 
 def _imports(path: Path) -> set[str]:
