@@ -12,14 +12,7 @@ from ..estimate.flops import training_days as reference_days
 from ..estimate.memory import BYTES_PER_PARAM
 from ..estimate.params import count_params
 from ..model import GPT2_VOCAB, PRESETS
-from .exercise import Exercise, Unsolved, Wrong, register
-
-
-def _call(fn, *args):
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise Unsolved("it still raises NotImplementedError") from None
+from .exercise import Exercise, Wrong, attempt, register
 
 
 # ---------------------------------------------------------------- parameters
@@ -30,7 +23,7 @@ PARAM_SHAPES = [replace(PRESETS[name], vocab=vocab) for name, vocab in
 
 def grade_tinygpt_params(fn, source) -> str:
     for cfg in PARAM_SHAPES:
-        got = _call(fn, cfg.n_layers, cfg.hidden, cfg.vocab, cfg.seq_len)
+        got = attempt(fn, cfg.n_layers, cfg.hidden, cfg.vocab, cfg.seq_len)
         want = count_params(cfg)
         if got != want:
             hint = ""
@@ -66,7 +59,7 @@ def tinygpt_params(n_layers, hidden, vocab, seq_len):
 
 def grade_bytes_per_param(fn, source) -> str:
     for recipe, want in BYTES_PER_PARAM.items():
-        got = _call(fn, recipe)
+        got = attempt(fn, recipe)
         if got != want:
             total = sum(got.values()) if isinstance(got, dict) else got
             raise Wrong(f"for {recipe!r} you give {got!r} ({total} bytes), expected {want} "
@@ -98,7 +91,7 @@ DAYS_CASES = [(count_params(replace(PRESETS["22b"], vocab=GPT2_VOCAB)), 257e9, g
 
 def grade_training_days(fn, source) -> str:
     for n, tokens, gcds, peak, mfu in DAYS_CASES:
-        got = _call(fn, n, tokens, gcds, peak, mfu)
+        got = attempt(fn, n, tokens, gcds, peak, mfu)
         want = reference_days(n, tokens, gcds, peak, mfu)
         if got is None or abs(got - want) > 1e-3 * want:
             raise Wrong(f"{n / 1e9:.1f}B parameters, {tokens / 1e9:.0f}B tokens, {gcds} GCDs at {mfu:.0%} MFU: "
@@ -131,7 +124,7 @@ def grade_accumulate(fn, source) -> str:
     lm_loss(model(x), y).backward()
     full = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad()
-    _call(fn, model, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)])
+    attempt(fn, model, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)])
     got = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
     ratio = (got.norm() / full.norm()).item()
     if not torch.allclose(got, full, rtol=1e-4, atol=1e-7):
