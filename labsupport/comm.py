@@ -187,7 +187,10 @@ def _call(op, payload, group, fn, async_op=False, after=None, **meta):
     work = fn()
     if async_op:
         if event is not None:  # the end is when the data has arrived, not when someone waits for it
-            work.get_future().add_done_callback(lambda _: event.setdefault("end", now()))
+            try:
+                work.get_future().add_done_callback(lambda _: event.setdefault("end", now()))
+            except RuntimeError:  # gloo's reduce_scatter has no future: the end is when it is waited for
+                pass
         return _Work(work, event, after)
     if after is not None:
         after()

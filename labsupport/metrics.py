@@ -34,8 +34,11 @@ def param_bytes(model) -> int:
     return tensor_bytes(p for p in model.parameters())
 
 
-def grad_bytes(model) -> int:
-    return tensor_bytes(p.grad for p in model.parameters())
+def grad_bytes(model, optimizer=None) -> int:
+    """The model's gradients, and those the optimizer holds for its own tensors (a ZeRO-2
+    optimizer keeps only this rank's shard of the gradients); shared storage counts once."""
+    held = [p.grad for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    return tensor_bytes([*(p.grad for p in model.parameters()), *held])
 
 
 def optimizer_bytes(optimizer) -> int:

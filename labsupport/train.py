@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="ddp/torch-ddp: allow parameters that get a gradient on some ranks only")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="zero3: gather each unit only when it is needed (no overlap with the one before)")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -80,7 +82,7 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
         world_size, strategy=args.strategy, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
         sequence_parallel=args.sequence_parallel, ddp_mode=args.ddp_mode, bucket_mb=args.bucket_mb,
-        find_unused_parameters=args.find_unused_parameters)
+        find_unused_parameters=args.find_unused_parameters, prefetch=not args.no_prefetch)
 
 
 def model_config(args, vocab: int) -> ModelConfig:
@@ -168,7 +170,7 @@ class MemoryPeaks:
 
     def update(self, model, optimizer, activations: int) -> dict:
         """After a step: gradients are still there (they are cleared at the next step's start)."""
-        now = {"params": param_bytes(model), "grads": grad_bytes(model), "optimizer": optimizer_bytes(optimizer),
+        now = {"params": param_bytes(model), "grads": grad_bytes(model, optimizer), "optimizer": optimizer_bytes(optimizer),
                "activations": activations}
         for key, value in now.items():
             self.peaks[key] = max(self.peaks[key], value)

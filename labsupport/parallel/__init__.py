@@ -15,6 +15,7 @@ from .config import ConfigError, ParallelConfig
 class Entry(NamedTuple):
     target: str             # "module:Class"
     axes: tuple[str, ...]   # the degrees of ParallelConfig it may set above 1
+    zero: int | None = None  # the ZeRO stage the strategy is (zeroK: K); None: --zero is free (3d will read it)
 
 
 STRATEGIES = {
@@ -22,6 +23,9 @@ STRATEGIES = {
     "ddp": Entry("labsupport.parallel.ddp:DDPStrategy", ("dp",)),
     "torch-ddp": Entry("labsupport.parallel.torch_ddp:TorchDDP", ("dp",)),
     "accelerate-ddp": Entry("labsupport.parallel.accelerate_ddp:AccelerateDDP", ("dp",)),
+    "zero1": Entry("labsupport.parallel.zero:ZeRO1", ("dp",), zero=1),
+    "zero2": Entry("labsupport.parallel.zero:ZeRO2", ("dp",), zero=2),
+    "zero3": Entry("labsupport.parallel.zero:ZeRO3", ("dp",), zero=3),
 }
 
 __all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]

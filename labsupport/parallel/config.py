@@ -40,6 +40,15 @@ class ParallelConfig:
     ddp_mode: str = "bucketed"
     bucket_mb: float = 25.0
     find_unused_parameters: bool = False
+    prefetch: bool = True            # zero3: all-gather the next unit while this one computes
+
+    def __post_init__(self):
+        """`zeroK` *is* ZeRO stage K: a config naming it without --zero records stage K (in the
+        checkpoint layout too). --zero itself is for strategies that combine ZeRO with more (3d)."""
+        from . import STRATEGIES
+        entry = STRATEGIES.get(self.strategy)
+        if entry is not None and entry.zero is not None and self.zero == 0:
+            object.__setattr__(self, "zero", entry.zero)
 
     @classmethod
     def build(cls, world_size: int, strategy: str = "single", dp: int | None = None, tp: int = 1, pp: int = 1,
@@ -83,8 +92,17 @@ class ParallelConfig:
                            f"(got {degrees[axis]})")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        elif entry.zero is not None and self.zero != entry.zero:
+            out.append(f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
+                       f"leave --zero out or use --strategy zero{self.zero}")
+        if entry.zero is not None and self.dp < 2 and not out:  # (a grid mistake already says more)
+            out.append(f"strategy {self.strategy!r} shards over data-parallel ranks; on dp {self.dp} it would be a no-op "
+                       "(each rank owning everything is 'single'), so use --nproc 2 or more")
         if self.ddp_mode not in DDP_MODES:
             out.append(f"--ddp-mode must be one of {', '.join(DDP_MODES)}, got {self.ddp_mode!r}")
+        elif entry.zero is not None and self.ddp_mode != "bucketed":
+            out.append(f"strategy {self.strategy!r} reduce-scatters DDP's buckets, so --ddp-mode must be bucketed "
+                       f"(got {self.ddp_mode})")
         if not self.bucket_mb > 0:
             out.append(f"--bucket-mb must be > 0, got {self.bucket_mb:g}")
         if self.schedule not in SCHEDULES:

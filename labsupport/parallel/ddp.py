@@ -162,13 +162,17 @@ class DataParallel(torch.nn.Module):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= self.bucket_bytes:
-                self.buckets.append(Bucket(current, len(self.buckets), self.group))
+                self.buckets.append(self._new_bucket(current, len(self.buckets)))
                 current, size = [], 0
         if current:
-            self.buckets.append(Bucket(current, len(self.buckets), self.group))
+            self.buckets.append(self._new_bucket(current, len(self.buckets)))
         for bucket in self.buckets:
             for p in bucket.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, id(p))))
+
+    def _new_bucket(self, params, index: int) -> Bucket:
+        """A bucket of this wrapper (ZeRO-2 makes ones that reduce-scatter instead)."""
+        return Bucket(params, index, self.group)
 
     def _hook(self, bucket: Bucket, key: int):
         def on_grad_ready(param):  # the parameter, whose .grad is now complete
