@@ -124,12 +124,23 @@ def cmd_memory(args) -> int:
             raise UsageError(f"give all three of --param-bytes, --grad-bytes and --optimizer-bytes "
                              f"(missing {' and '.join(missing)})")
         override = given
+    if args.pcie_gbps is not None and not args.offload:
+        raise UsageError("--pcie-gbps is the host link of --offload: add --offload, or drop --pcie-gbps")
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
-                          recompute=args.recompute, bytes_override=override, n_params=args.params)
+                          recompute=args.recompute, bytes_override=override, n_params=args.params, offload=args.offload)
     from .widgets.memory import format_bytes as gb
-    human = (f"{est['n_params']:,} parameters; per device: params {gb(est['params'])}, grads {gb(est['grads'])}, "
-             f"optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, total {gb(est['total'])}")
+    recipe = "bytes given" if override else f"{args.precision} recipe"
+    human = (f"{est['n_params']:,} parameters ({recipe}); per device: params {gb(est['params'])}, "
+             f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
+             f"total {gb(est['total'])}")
+    if args.offload:
+        from .estimate.offload import PCIE_GBPS, pcie_seconds
+        est["pcie_gbps"] = args.pcie_gbps if args.pcie_gbps is not None else PCIE_GBPS["gen4"]
+        est["pcie_s"] = pcie_seconds(est["pcie"], est["pcie_gbps"])
+        human += (f"\noffloaded (ZeRO-Offload): host memory {gb(est['host'])} for this device's share; "
+                  f"PCIe per step {gb(est['pcie_to_host'])} to the host + {gb(est['pcie_to_device'])} back "
+                  f"= {gb(est['pcie'])}, {est['pcie_s']:.3g} s at {est['pcie_gbps']:g} GB/s")
     _emit(args, human, est)
     return 0
 
@@ -155,6 +166,7 @@ def cmd_bench(args) -> int:
         lines.append("".join(f"{r[c]:>14.6g}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in columns))
     for key, fit in summary.get("fits", {}).items():
         lines.append(f"fit {key:<28} alpha {fit['alpha_s'] * 1e6:8.1f} us   1/beta {1 / fit['beta_s_per_byte'] / 1e9 if fit['beta_s_per_byte'] else float('inf'):8.2f} GB/s")
+    lines += summary.get("details", [])  # a benchmark's own lines (bench zero: memory per rank)
     lines.append(f"ratio ours/reference ({summary['headline']}): {summary['ratio']:.3g}x time")
     _emit(args, "\n".join(lines), summary)
     return 0
@@ -213,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         m.add_argument(f"--{flag}", type=int, default=None)
     m.add_argument("--micro-batch", type=int, default=1)
-    from .estimate.memory import BYTES_PER_PARAM
+    from .estimate.memory import BYTES_PER_PARAM, recipe_label
     m.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed",
-                   help="bytes-per-parameter recipe: fp32 and mixed 16 (ZeRO/DeepSpeed), megatron-bf16 18, megatron-fp16 20")
+                   help="bytes per parameter (weights + gradients + optimizer), by recipe: "
+                        + "; ".join(recipe_label(r) for r in BYTES_PER_PARAM))
     for flag in ("param-bytes", "grad-bytes", "optimizer-bytes"):  # floats, so "2.0" works; whole numbers only
         m.add_argument(f"--{flag}", type=float, default=None, help="bytes per parameter; give all three")
     for flag in ("dp", "tp", "pp"):
@@ -223,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     m.add_argument("--sequence-parallel", action="store_true")
     m.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    m.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer states and step on the host; "
+                        "adds host bytes and PCIe bytes/time per step")
+    m.add_argument("--pcie-gbps", type=float, default=None,
+                   help="with --offload: host link bandwidth in GB/s per direction (default 31.5, PCIe 4.0 x16)")
 
     from .jobscript import add_arguments as jobscript_arguments
     js = sub.add_parser("jobscript", help="write a Slurm or PBS job script: N nodes x G GPUs, one rank per GPU")

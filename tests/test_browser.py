@@ -5,12 +5,15 @@ To cover a stored notebook, add a test like the one below that calls
 `run_notebook_in_browser(page, lab, "00_setup_and_collectives.ipynb")` and then drives the
 widget it displays; the `lab` fixture serves a copy of notebooks/.
 """
+import time
+
 import pytest
 
 from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
                      tagged_processes, wait_for_text, write_notebook)
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
+from labsupport.widgets.memory import MemoryWidget, verdict
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -58,6 +61,45 @@ def test_collectives_stepper_updates_in_jupyterlab(lab, page, request):
         wait_for_text(state, expected[2])
         page.locator("button.labsupport-reset").click()
         wait_for_text(state, expected[0])
+
+
+def test_memory_widget_verdict_follows_its_controls_in_jupyterlab(lab, page, request):
+    """Pick another model, device and ZeRO stage in the page: the verdict and the figure follow,
+    and the verdict is the one the same widget gives in Python for those settings."""
+    write_notebook(lab.root / "memory.ipynb",
+                   "from labsupport.widgets.memory import MemoryWidget\n"
+                   "w = MemoryWidget('22b', parallel=True, dp=8)\n"
+                   "w.widget")
+    expected = MemoryWidget("22b", parallel=True, dp=8)
+
+    def expected_verdict():  # what the same widget says in Python, as plain text
+        c = expected.controls
+        return verdict(expected.estimate, c["gpu_memory_gb"].value, expected.device_label())
+
+    with artifacts_on_failure(page, request.node.name, lab):
+        run_notebook_in_browser(page, lab, "memory.ipynb")
+        widget = page.locator(".labsupport-memory")
+        shown, figure = widget.locator(".labsupport-memory-verdict"), widget.locator(".labsupport-memory-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        first = wait_for_text(shown, expected_verdict(), timeout_s=30)
+        assert first.startswith("It does not fit on one A100 80 GB")
+        steps = [
+            (lambda: widget.locator(".labsupport-memory-zero button", has_text="3").click(), "zero", 3),
+            (lambda: widget.locator(".labsupport-memory-device select").select_option("MI250X GCD 64 GB"),
+             "device", "MI250X GCD 64 GB"),
+            (lambda: widget.locator(".labsupport-memory-model select").select_option(
+                label=MemoryWidget._menu_label("gpt2-xl")), "model", "gpt2-xl"),
+        ]
+        for act, name, value in steps:
+            before = figure.get_attribute("src")
+            act()
+            expected.controls[name].value = value
+            wait_for_text(shown, expected_verdict())
+            deadline = time.monotonic() + 10  # the picture is a message of its own, after the verdict's
+            while figure.get_attribute("src") == before:
+                assert time.monotonic() < deadline, f"the figure was not redrawn after {name} = {value}"
+                time.sleep(0.1)
+        assert shown.inner_text().startswith("It fits on one MI250X GCD 64 GB")
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ import torch
 from labsupport.estimate.flops import (PEAK_TFLOPS, training_days, forward_flops_per_token, model_flops_per_token,
                                        peak_tflops, training_flops_per_token)
 from labsupport.estimate.memory import (BYTES_PER_PARAM, activation_bytes_per_layer, estimate_memory,
-                                        model_state_bytes, tinygpt_activation_bytes)
+                                        largest_model_that_fits, model_state_bytes, scaled_shape,
+                                        tinygpt_activation_bytes)
+from labsupport.estimate.offload import PCIE_GBPS, offload_pays, pcie_seconds
 from labsupport.estimate.params import count_params, params_per_layer, rule_of_thumb
 from labsupport.metrics import ActivationMeter
 from labsupport.model import PRESETS, ModelConfig, TinyGPT, lm_loss
@@ -191,6 +194,123 @@ def test_workshop_model_states_and_the_decks_20x():
     deck_total = 20
     assert sum(deck_items.values()) == 18 != deck_total
     assert 22e9 * deck_total == 440 * GB and 22e9 * sum(deck_items.values()) == 396 * GB
+
+
+@pytest.mark.parametrize("recipe, total", [("fp32", 16), ("mixed", 16), ("megatron-bf16", 18), ("megatron-fp16", 20)])
+def test_cli_memory_names_each_recipe(recipe, total):
+    """`labsupport memory --precision RECIPE`: 16 bytes a parameter (fp32, DeepSpeed mixed),
+    18 (Megatron-LM bf16), 20 (Megatron-LM fp16)."""
+    res = run_cli("memory", "--params", "1e9", "--precision", recipe, "--json")
+    assert res.returncode == 0, res.stderr
+    est = json.loads(res.stdout.splitlines()[-1])
+    assert est["params"] + est["grads"] + est["optimizer"] == est["total"] == total * 10**9
+    assert f"({recipe} recipe)" in res.stderr
+    assert recipe in run_cli("memory", "--help").stdout
+
+
+# ---------------------------------------------------------------- memory: ZeRO-Offload
+
+PSI = 7_500_000_000
+
+
+def test_zero_offload_one_gpu_table1_and_sec3():
+    """Ren et al. 2021 (ZeRO-Offload), one GPU: only the 16-bit weights stay, 2 Psi of 16 Psi,
+    "8x" (Table 1); 2 Psi of gradients out and 2 Psi of weights back per step, 4 Psi, the least
+    traffic of any offload that keeps forward and backward on the GPU (Sec 3.3)."""
+    plain = estimate_memory(n_params=PSI, zero=2)
+    est = estimate_memory(n_params=PSI, zero=2, offload=True)
+    assert (est["params"], est["grads"], est["optimizer"]) == (2 * PSI, 0, 0)
+    assert plain["total"] / est["total"] == 8
+    assert (est["pcie_to_host"], est["pcie_to_device"], est["pcie"]) == (2 * PSI, 2 * PSI, 4 * PSI)
+    assert est["host"] == 14 * PSI  # fp32 master, momentum, variance (K = 12) and the fp16 gradients
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_zero_offload_divides_over_data_parallel_ranks(n):
+    """Sec 4.2: on top of ZeRO-2 each rank offloads its 1/N_d partition, so its PCIe traffic is
+    4 Psi / N_d and the host memory of all ranks together stays what one GPU needed."""
+    est = estimate_memory(n_params=PSI, dp=n, zero=2, offload=True)
+    assert est["pcie"] == 4 * PSI // n and est["host"] * n == 14 * PSI
+    assert est["params"] == 2 * PSI and est["grads"] == 0  # ZeRO-2 keeps the weights whole
+
+
+@pytest.mark.parametrize("recipe, device, host, to_host, to_device", [
+    ("fp32", 4, 16, 4, 4),            # the weights are their own master: the host keeps a copy (4) + m, v + grads
+    ("mixed", 2, 14, 2, 2),           # master + m + v (12) + fp16 grads
+    ("megatron-bf16", 2, 16, 4, 2),   # master + m + v (12) + fp32 grads
+    ("megatron-fp16", 2, 18, 2, 2),   # master + m + v + fp32 grads' copy (16) + fp16 grads
+])
+def test_offload_moves_these_bytes_per_recipe(recipe, device, host, to_host, to_device):
+    est = estimate_memory(n_params=1000, precision=recipe, zero=2, offload=True)
+    assert (est["total"], est["host"], est["pcie_to_host"], est["pcie_to_device"]) == (
+        1000 * device, 1000 * host, 1000 * to_host, 1000 * to_device)
+
+
+def test_offload_by_zero_stage():
+    """Gradients stay on the device while the stage does not shard them (ZeRO-0, 1); ZeRO-3 also
+    divides the weights; ZeRO-0 shards nothing, so every rank offloads and moves everything."""
+    states = {z: model_state_bytes(PSI, dp=64, zero=z, offload=True) for z in range(4)}
+    assert [(s["params"], s["grads"], s["optimizer"]) for s in states.values()] == [
+        (2 * PSI, 2 * PSI, 0), (2 * PSI, 2 * PSI, 0), (2 * PSI, 0, 0), (2 * PSI // 64, 0, 0)]
+    assert states[0]["host"] == 14 * PSI and states[0]["pcie_to_host"] + states[0]["pcie_to_device"] == 4 * PSI
+    assert {s["host"] for z, s in states.items() if z} == {14 * PSI // 64}
+
+
+def test_pcie_time_and_when_offload_pays():
+    """Sec 4.1 / 5.2: the transfer is hidden when it takes no longer than the step's compute.
+    7.5B parameters: 30 GB per step, 0.952 s over PCIe 4.0 x16 (31.5 GB/s). On an A100 (312 TFLOP/s
+    bf16 at 40%) one 2048-token sequence of 6 Psi FLOPs per token takes 0.738 s: not hidden;
+    accumulate 2 sequences per step and it is (1.48 s)."""
+    assert PCIE_GBPS["gen4"] == 31.5 and PCIE_GBPS["gen3"] * 2 == PCIE_GBPS["gen4"]
+    traffic = estimate_memory(n_params=PSI, zero=2, offload=True)["pcie"]
+    assert round(pcie_seconds(traffic), 3) == 0.952
+    one = offload_pays(traffic, 6 * PSI * 2048, 312e12, mfu=0.4)
+    assert round(one["compute_s"], 3) == 0.738 and not one["hidden"]
+    assert round(one["break_even_tokens_factor"], 2) == 1.29
+    assert offload_pays(traffic, 2 * 6 * PSI * 2048, 312e12, mfu=0.4)["hidden"]
+    with pytest.raises(ValueError, match="> 0 GB/s"):
+        pcie_seconds(1, 0)
+
+
+def test_offload_fits_13b_on_one_32gb_gpu():
+    """Ren et al. 2021, abstract: "over 13 billion parameters on a single GPU" (a 32 GB V100, with
+    activation checkpointing), about 10x what PyTorch fits (1.4B; we count no allocator buffers)."""
+    options = dict(micro_batch=1, zero=2, recompute="full")
+    offloaded = largest_model_that_fits(32e9, PRESETS["22b"], offload=True, **options)
+    plain = largest_model_that_fits(32e9, PRESETS["22b"], **options)
+    assert offloaded["n_params"] > 13e9 and plain["n_params"] < 2e9
+
+
+def test_largest_model_that_fits_is_the_edge_of_its_family():
+    options = dict(precision="mixed", dp=8, tp=2, pp=4, zero=1, recompute="selective")
+    best = largest_model_that_fits(80e9, PRESETS["22b"], **options)
+    k = best["shape"].n_layers
+    assert k % 4 == 0 and best["total"] <= 80e9  # k a multiple of lcm(tp, pp)
+    assert estimate_memory(scaled_shape(PRESETS["22b"], k + 4), **options)["total"] > 80e9
+    assert scaled_shape(PRESETS["22b"], 48) == replace(PRESETS["22b"], name="48 x 6144")  # the 22B preset's shape
+    # no shape: model states only, 16 bytes a parameter on one device -> 5B in 80 GB
+    assert largest_model_that_fits(80e9)["n_params"] == 5_000_000_000
+    assert largest_model_that_fits(1.0, PRESETS["22b"]) is None
+
+
+def test_cli_memory_offload():
+    res = run_cli("memory", "--params", "7.5e9", "--dp", "8", "--zero", "2", "--offload", "--pcie-gbps", "15.75",
+                  "--json")
+    assert res.returncode == 0, res.stderr
+    est = json.loads(res.stdout.splitlines()[-1])
+    assert (est["total"], est["host"], est["pcie"]) == (2 * PSI, 14 * PSI // 8, 4 * PSI // 8)
+    assert est["pcie_gbps"] == 15.75 and est["pcie_s"] == pytest.approx(3.75e9 / 15.75e9)
+    assert "host memory 13.12 GB" in res.stderr and "3.75 GB, 0.238 s at 15.75 GB/s" in res.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pcie-gbps", "16"], "--pcie-gbps is the host link of --offload"),
+    (["--offload", "--pcie-gbps", "0"], "PCIe bandwidth must be > 0 GB/s"),
+])
+def test_cli_memory_bad_offload_is_one_line(flags, message):
+    res = run_cli("memory", "--params", "7.5e9", *flags)
+    assert res.returncode == 2 and res.stdout == ""
+    assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
 
 
 # ---------------------------------------------------------------- memory: activations

@@ -1,5 +1,6 @@
 """The memory widget and its static figures: every number equals estimate_memory's, no browser needed."""
 import ast
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from labsupport.estimate.memory import estimate_memory  # noqa: E402
-from labsupport.model import PRESETS  # noqa: E402
+from labsupport.estimate.memory import estimate_memory, largest_model_that_fits  # noqa: E402
+from labsupport.estimate.params import count_params  # noqa: E402
+from labsupport.model import PRESETS, ModelConfig  # noqa: E402
 from labsupport.widgets import memory as wm  # noqa: E402
 
 WIDGETS = Path(wm.__file__).parent
@@ -32,7 +34,8 @@ def test_breakdown_is_estimate_memory():
 def test_widget_follows_its_controls():
     w = wm.MemoryWidget("22b")
     assert w.estimate == estimate_memory(PRESETS["22b"])
-    assert f"{w.estimate['n_params']:,} parameters" in w.text and "does not fit on one 80 GB GPU" in w.text
+    assert f"{w.estimate['n_params']:,} parameters" in w.text and "does not fit on one A100 80 GB" in w.text
+    assert "does not fit" in w.verdict.value
     assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
     first_text, first_png = w.text, w.png
 
@@ -47,7 +50,8 @@ def test_widget_follows_its_controls():
     w.controls["gpu_memory_gb"].value = 16
     assert w.estimate == estimate_memory(PRESETS["micro"].with_vocab(wm.corpus_vocab()), micro_batch=4,
                                          precision="fp32")
-    assert "fits on one 16 GB GPU" in w.text and "does not" not in w.text
+    assert "fits on one 16 GB GPU" in w.text and "does not" not in w.text and "fits" in w.verdict.value
+    assert w.controls["device"].value == wm.CUSTOM  # a size no named device has
 
 
 def test_parallel_controls_go_straight_to_estimate_memory():
@@ -56,7 +60,8 @@ def test_parallel_controls_go_straight_to_estimate_memory():
     for name, value in settings.items():
         w.controls[name].value = value
     assert w.estimate == estimate_memory(PRESETS["175b"], **settings)
-    assert w.options() == dict(model="175b", vocab=65, precision="mixed", micro_batch=1, **settings)
+    assert w.options() == dict(model="175b", vocab=65, seq_len=2048, precision="mixed", micro_batch=1,
+                               offload=False, **settings)
 
 
 def test_invalid_layout_is_reported_not_raised():
@@ -147,11 +152,28 @@ def test_widgets_package_imports_no_submodule():
     assert out.strip() == "[]"
 
 
+def stage_totals(ax) -> list[float]:
+    """Per bar, the sum of its category segments (the first 4 x bars patches; an outline may follow)."""
+    n = len(ax.get_xticklabels())
+    heights = bar_heights(ax)[:len(wm.CATEGORIES) * n]
+    return [sum(heights[i::n]) for i in range(n)]
+
+
 def test_widget_figure_is_the_static_stand_in():
-    w = wm.MemoryWidget("22b", precision="megatron-bf16", micro_batch=2)
+    """The figure: the layout at ZeRO stages 0-3 against the device, the chosen stage outlined and bold."""
+    w = wm.MemoryWidget("22b", precision="megatron-bf16", micro_batch=2, parallel=True, dp=8, zero=1)
     fig = w.figure()
     ax = fig.axes[0]
-    assert bar_heights(ax) == pytest.approx([w.estimate[k] / 1e9 for k in wm.CATEGORIES])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ZeRO-0\nbaseline", "ZeRO-1\nP_os", "ZeRO-2\nP_os+g",
+                                                           "ZeRO-3\nP_os+g+p"]
+    heights = bar_heights(ax)
+    for stage in range(4):
+        est = estimate_memory(PRESETS["22b"], micro_batch=2, precision="megatron-bf16", dp=8, zero=stage)
+        assert w.stages[stage] == est
+        assert heights[stage:16:4] == pytest.approx([est[k] / 1e9 for k in wm.CATEGORIES])
+    assert heights[16:] == pytest.approx([w.estimate["total"] / 1e9])  # the outline of the chosen stage, ZeRO-1
+    assert [t.get_fontweight() for t in ax.get_xticklabels()] == ["normal", "bold", "normal", "normal"]
+    assert [line.get_ydata()[0] for line in ax.get_lines()] == [80]
     assert ax.get_title() == "22b, megatron-bf16, micro-batch 2"
     assert wm.figure_png(fig).startswith(b"\x89PNG")
     w.controls["model"].value = wm.CUSTOM
@@ -161,17 +183,97 @@ def test_widget_figure_is_the_static_stand_in():
     w.controls["tp"].value = 8  # not a valid layout: no estimate, no figure
     with pytest.raises(ValueError, match="divisible"):
         w.figure()
+    assert w.verdict.value == "" and w.stages == [] and w.largest is None
 
 
-def test_widget_offers_every_precision_recipe():
-    from labsupport.estimate.memory import BYTES_PER_PARAM
+def test_one_device_widget_draws_one_bar():
+    """Without the parallel controls every ZeRO stage is the same: the figure is the one bar."""
+    w = wm.MemoryWidget("22b", precision="mixed", micro_batch=1, gpu_memory_gb=80)  # notebook 01's call
+    assert w.controls["device"].value == "A100 80 GB"
+    ax = w.figure().axes[0]
+    assert bar_heights(ax) == pytest.approx([w.estimate[k] / 1e9 for k in wm.CATEGORIES])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["22b"]
+
+
+@pytest.mark.parametrize("recipe, total", [("fp32", 16), ("mixed", 16), ("megatron-bf16", 18), ("megatron-fp16", 20)])
+def test_widget_offers_each_precision_recipe_by_name(recipe, total):
+    """The menu names each recipe with its bytes; choosing it is estimate_memory(precision=recipe)."""
     w = wm.MemoryWidget("22b")
-    assert list(w.controls["precision"].options) == list(BYTES_PER_PARAM)
-    states = {}
-    for recipe in BYTES_PER_PARAM:
-        w.controls["precision"].value = recipe
-        assert w.estimate == estimate_memory(PRESETS["22b"], precision=recipe)
-        states[recipe] = sum(w.estimate[k] for k in ("params", "grads", "optimizer"))
-    # 16 / 16 / 18 / 20 bytes per parameter
-    assert states["fp32"] == states["mixed"]
-    assert states["megatron-bf16"] * 16 == states["mixed"] * 18 and states["megatron-fp16"] * 16 == states["mixed"] * 20
+    labels = dict((value, label) for label, value in w.controls["precision"].options)
+    assert labels[recipe].startswith(f"{recipe}: ") and f"= {total} B/param" in labels[recipe]
+    w.controls["precision"].value = recipe
+    assert w.estimate == estimate_memory(PRESETS["22b"], precision=recipe)
+    states = sum(w.estimate[k] for k in ("params", "grads", "optimizer"))
+    assert states == total * count_params(PRESETS["22b"], padded=True)
+
+
+def test_zero_figure1_data():
+    """Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device."""
+    fig = wm.zero_stages_figure()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "P_os", "P_os+g", "P_os+g+p"]
+    assert ax.get_ylabel() == "bytes per device (GB)"
+    assert [round(total, 1) for total in stage_totals(ax)] == [120.0, 31.4, 16.6, 1.9]
+    assert ax.get_title() == "ZeRO stages: 7.5B parameters, N_d = 64, mixed"
+
+
+def test_zero_stages_figure_for_a_preset():
+    fig = wm.zero_stages_figure("22b", dp=8, gpu_memory_gb=80, recompute="selective")
+    totals = [estimate_memory(PRESETS["22b"], dp=8, zero=z, recompute="selective")["total"] / 1e9 for z in range(4)]
+    assert stage_totals(fig.axes[0]) == pytest.approx(totals)
+    assert [line.get_ydata()[0] for line in fig.axes[0].get_lines()] == [80]
+
+
+def test_device_menu_sets_the_capacity_and_the_verdict():
+    w = wm.MemoryWidget("gpt2-xl", parallel=True)
+    assert w.controls["device"].value == "A100 80 GB" and w.controls["gpu_memory_gb"].value == 80
+    assert "It fits on one A100 80 GB" in w.verdict.value
+    w.controls["model"].value = "22b"
+    assert "does not fit on one A100 80 GB" in w.verdict.value
+    w.controls["device"].value = "MI250X GCD 64 GB"
+    assert w.controls["gpu_memory_gb"].value == 64 and "does not fit on one MI250X GCD 64 GB" in w.verdict.value
+    w.controls["gpu_memory_gb"].value = 1000
+    assert w.controls["device"].value == wm.CUSTOM and "fits on one 1000 GB GPU" in w.verdict.value
+    assert wm.MemoryWidget("22b", gpu_memory_gb=40).controls["device"].value == wm.CUSTOM
+    assert wm.MemoryWidget("22b", device="H100 80 GB").controls["gpu_memory_gb"].value == 80
+
+
+def test_offload_control():
+    w = wm.MemoryWidget("22b", parallel=True, dp=8, zero=2)
+    assert w.controls["pcie"].layout.display == "none"
+    w.controls["offload"].value = True
+    assert w.controls["pcie"].layout.display is None
+    assert w.estimate == estimate_memory(PRESETS["22b"], dp=8, zero=2, offload=True)
+    assert w.estimate["optimizer"] == 0 and w.stages[0]["optimizer"] == 0
+    assert f"the host holds {wm.format_bytes(w.estimate['host'])}" in w.text
+    assert "hidden behind one micro-batch" in w.text  # 0.35 s of PCIe 4.0 against 2.2 s of compute on an A100
+    w.controls["pcie"].value = "gen3"
+    w.controls["seq_len"].value = 128  # 16x fewer tokens: the same transfer, 16x less compute to hide it
+    assert "not hidden unless each step processes" in w.text and "PCIe gen3" in w.text
+    assert w.figure().axes[0].get_title() == "22b, mixed, micro-batch 1, optimizer on the host"
+
+
+def test_custom_shape_and_sequence_length():
+    w = wm.MemoryWidget("gpt2", parallel=True)
+    assert w.controls["seq_len"].value == 1024 and w.controls["layers"].layout.display == "none"
+    w.controls["seq_len"].value = 256
+    assert w.estimate == estimate_memory(replace(PRESETS["gpt2"], seq_len=256))
+    w.controls["model"].value = "175b"  # a preset brings its own context
+    assert w.controls["seq_len"].value == 2048
+    w.controls["model"].value = wm.SHAPE
+    for name, value in dict(layers=3, hidden=96, heads=3, shape_vocab=100, seq_len=64).items():
+        w.controls[name].value = value
+    assert w.controls["layers"].layout.display is None
+    assert w.estimate == estimate_memory(ModelConfig(wm.SHAPE, 3, 96, 3, 100, 64))
+    w.controls["heads"].value = 5  # 96 is not divisible by 5
+    assert w.estimate is None and "divisible" in w.text
+
+
+def test_largest_model_that_fits_is_shown():
+    w = wm.MemoryWidget("22b")
+    best = w.largest
+    assert best == largest_model_that_fits(80e9, PRESETS["22b"])
+    cfg = best["shape"]
+    assert f"{cfg.n_layers} layers x {cfg.hidden}" in w.text
+    w.controls["model"].value = wm.CUSTOM  # no shape: solve for the parameter count, model states only
+    assert w.largest["n_params"] == 5_000_000_000 and "40 B" not in w.text and "5 B" in w.text

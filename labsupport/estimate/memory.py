@@ -4,11 +4,16 @@ Model states are parameters, gradients and optimizer states; they scale with the
 count and are what ZeRO shards over data-parallel ranks. Activations are what the forward
 pass keeps for the backward pass; they scale with batch and sequence and are what sequence
 parallelism and recomputation shrink. Tensor and pipeline parallelism split both.
+ZeRO-Offload moves the optimizer states to the host (offload.py); `largest_model_that_fits`
+turns the estimate around: the largest model a device holds.
 """
 from __future__ import annotations
 
+import math
 import numbers
+from dataclasses import replace
 
+from .offload import offloaded_states
 from .params import count_params
 
 # Bytes per parameter of model states under Adam, by recipe: {params, grads, optimizer}.
@@ -31,7 +36,18 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "megatron-fp16": dict(params=2, grads=2, optimizer=16),
 }
 
+# Where each recipe comes from, for menus and help texts that name them.
+RECIPE_SOURCES = {"fp32": "fp32 Adam", "mixed": "ZeRO / DeepSpeed mixed precision",
+                  "megatron-bf16": "Megatron-LM bf16", "megatron-fp16": "Megatron-LM fp16"}
+
 RECOMPUTE = ("none", "selective", "full")
+
+
+def recipe_label(recipe: str) -> str:
+    """'mixed' -> 'mixed: 2 + 2 + 12 = 16 B/param (ZeRO / DeepSpeed mixed precision)'."""
+    per = BYTES_PER_PARAM[recipe]
+    return (f"{recipe}: {per['params']} + {per['grads']} + {per['optimizer']} = {sum(per.values())} B/param "
+            f"({RECIPE_SOURCES[recipe]})")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -59,13 +75,16 @@ def _bytes_per_param(precision: str, bytes_override: dict | None) -> dict[str, i
 
 
 def model_state_bytes(n_params: int, precision: str = "mixed", dp: int = 1, zero: int = 0,
-                      model_parallel: int = 1, bytes_override: dict | None = None) -> dict[str, int]:
+                      model_parallel: int = 1, bytes_override: dict | None = None,
+                      offload: bool = False) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states on one device.
 
     ZeRO (Rajbhandari et al. 2020, Sec 5.1, Figure 1) partitions over the N_d data-parallel
     ranks: stage 1 (P_os) the optimizer states, stage 2 (P_os+g) also the gradients, stage 3
     (P_os+g+p) also the parameters. `model_parallel` = tp * pp devices first split the model;
     we assume an even split (in reality embeddings and LayerNorms are not split evenly).
+    `offload=True` puts the optimizer on the host (ZeRO-Offload, `offload.offloaded_states`)
+    and adds the keys `host`, `pcie_to_host` and `pcie_to_device`.
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
@@ -73,6 +92,8 @@ def model_state_bytes(n_params: int, precision: str = "mixed", dp: int = 1, zero
         raise ValueError(f"dp and model_parallel must be >= 1, got {dp} and {model_parallel}")
     per = _bytes_per_param(precision, bytes_override)
     psi = _ceil_div(n_params, model_parallel)
+    if offload:
+        return offloaded_states(psi, per, dp, zero)
     sharded_from = {"optimizer": 1, "grads": 2, "params": 3}  # the ZeRO stage that shards each
     return {k: _ceil_div(psi * per[k], dp if zero >= sharded_from[k] else 1) for k in ("params", "grads", "optimizer")}
 
@@ -110,13 +131,17 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp: int = 1, tp: int = 1,
                     pp: int = 1, zero: int = 0, sequence_parallel: bool = False, recompute: str = "none",
-                    bytes_override: dict | None = None, n_params: int | None = None) -> dict[str, int]:
+                    bytes_override: dict | None = None, n_params: int | None = None,
+                    offload: bool = False) -> dict[str, int]:
     """Bytes per device of a training step: the `labsupport memory` contract (DESIGN.md Sec 4).
 
     Returns integer bytes: `n_params` (the whole model, as published counts give it), and per device `params`, `grads`,
-    `optimizer`, `activations`, `total`. Give a model shape `cfg`, or only `n_params`, in which
-    case activations are unknown and reported as 0. A shape's model states include the rows
-    that pad its vocabulary to a multiple of 64, as TinyGPT allocates them.
+    `optimizer`, `activations`, `total`. With `offload=True` (ZeRO-Offload: the optimizer states
+    and step on the host, see offload.py) also `host` (host memory for this device's share) and
+    the PCIe bytes of one step: `pcie_to_host`, `pcie_to_device` and their sum `pcie`.
+    Give a model shape `cfg`, or only `n_params`, in which case activations are unknown and
+    reported as 0. A shape's model states include the rows that pad its vocabulary to a
+    multiple of 64, as TinyGPT allocates them.
 
     Activations are those of the first pipeline stage, the fullest: under 1F1B it holds pp
     micro-batches in flight, each through L/pp layers, so L layers' worth whatever pp is
@@ -147,10 +172,15 @@ def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp
                                                sequence_parallel, recompute)
         activations = cfg.n_layers * per_layer
     n_params = int(n_params)
-    states = model_state_bytes(held if cfg is not None else n_params, precision, dp, zero, tp * pp, bytes_override)
+    states = model_state_bytes(held if cfg is not None else n_params, precision, dp, zero, tp * pp, bytes_override,
+                               offload)
     activations = activations * _bytes_per_param(precision, bytes_override)["params"] // 2
-    return {"n_params": n_params, **states, "activations": activations,
-            "total": sum(states.values()) + activations}
+    device = {k: states[k] for k in ("params", "grads", "optimizer")}
+    est = {"n_params": n_params, **device, "activations": activations, "total": sum(device.values()) + activations}
+    if offload:
+        est.update({k: states[k] for k in ("host", "pcie_to_host", "pcie_to_device")},
+                   pcie=states["pcie_to_host"] + states["pcie_to_device"])
+    return est
 
 
 def tinygpt_activation_bytes(cfg, micro_batch: int, dtype_bytes: int = 4) -> int:
@@ -175,3 +205,43 @@ def tinygpt_activation_bytes(cfg, micro_batch: int, dtype_bytes: int = 4) -> int
     head = (2 * n * d + 2 * n + n * cfg.padded_vocab + 1) * dtype_bytes
     ids = (2 * n + cfg.seq_len) * 8
     return cfg.n_layers * per_layer + head + ids
+
+
+def scaled_shape(base, k: int):
+    """The k-th shape of the family d = 128 L with heads of dimension 128 (so k layers and k heads),
+    the rest (vocabulary, sequence, biases) as `base`, a ModelConfig. The 22B and 175B presets lie on it
+    (48 x 6144, 96 x 12288), as do Narayanan et al. 2021's Table 1 shapes up to 145.6B."""
+    return replace(base, name=f"{k} x {128 * k}", n_layers=k, hidden=128 * k, heads=k)
+
+
+def largest_model_that_fits(capacity_bytes: float, base=None, **options) -> dict | None:
+    """The largest model whose training step fits in `capacity_bytes` per device, or None.
+
+    `options` are estimate_memory's (micro_batch, precision, dp, tp, pp, zero, offload, ...).
+    With a `base` shape (a ModelConfig) the search walks the family `scaled_shape(base, k)`,
+    k a multiple of lcm(tp, pp) so that heads and layers split; memory, activations included,
+    grows with k, so bisection finds the largest k that fits. Without a shape it solves for the
+    parameter count, model states only (they grow linearly with it), again by bisection.
+    Returns estimate_memory's dict for it, with `shape` (the ModelConfig, or None) added.
+    """
+    def fits(est):
+        return est["total"] <= capacity_bytes
+
+    if base is None:
+        def at(n):
+            return {**estimate_memory(n_params=n, **options), "shape": None}
+    else:
+        step = math.lcm(options.get("tp", 1), options.get("pp", 1))
+
+        def at(n):
+            cfg = scaled_shape(base, n * step)
+            return {**estimate_memory(cfg, **options), "shape": cfg}
+    lo, hi = 0, 1
+    while fits(at(hi)):  # grow until it does not fit: the answer lies in [lo, hi)
+        lo, hi = hi, 2 * hi
+        if hi > 2**60:
+            raise ValueError("every size fits: are the bytes per parameter all 0?")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(at(mid)) else (lo, mid)
+    return at(lo) if lo else None
