@@ -156,7 +156,9 @@ class Runtime:
             # `group=group.WORLD` as a default argument, evaluated once at import. torch imports
             # it lazily (the first optimizer imports torch._dynamo, which imports FSDP, which
             # imports it): after init_process_group, it would pin the world group for good.
+            # torch.distributed.optim (ZeroRedundancyOptimizer, for torch-zero1) does the same.
             importlib.import_module("torch.distributed.nn.functional")
+            importlib.import_module("torch.distributed.optim")
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
         seed_everything(self.seed)

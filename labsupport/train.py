@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what tp x pp leave)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
-    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--zero", type=int, default=None, help="ZeRO stage 0-3 (default: the strategy's; accelerate-fsdp: 3)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")

@@ -16,6 +16,7 @@ class Entry(NamedTuple):
     target: str             # "module:Class"
     axes: tuple[str, ...]   # the degrees of ParallelConfig it may set above 1
     zero: int | None = None  # the ZeRO stage the strategy is (zeroK: K); None: --zero is free (3d will read it)
+    default_zero: int = 0    # the stage when --zero is not given, for a strategy where it is free
 
 
 STRATEGIES = {
@@ -26,6 +27,9 @@ STRATEGIES = {
     "zero1": Entry("labsupport.parallel.zero:ZeRO1", ("dp",), zero=1),
     "zero2": Entry("labsupport.parallel.zero:ZeRO2", ("dp",), zero=2),
     "zero3": Entry("labsupport.parallel.zero:ZeRO3", ("dp",), zero=3),
+    "torch-zero1": Entry("labsupport.parallel.torch_zero:TorchZeRO1", ("dp",), zero=1),
+    "torch-fsdp": Entry("labsupport.parallel.torch_fsdp:TorchFSDP", ("dp",), zero=3),
+    "accelerate-fsdp": Entry("labsupport.parallel.accelerate_fsdp:AccelerateFSDP", ("dp",), default_zero=3),
 }
 
 __all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]

@@ -32,7 +32,7 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0
+    zero: int | None = None          # None: not given, the strategy's default (registry)
     schedule: str = "1f1b"
     microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch)
     chunks: int = 1                  # model chunks per pipeline rank (interleaved 1F1B)
@@ -47,6 +47,8 @@ class ParallelConfig:
         checkpoint layout too). --zero itself is for strategies that combine ZeRO with more (3d)."""
         from . import STRATEGIES
         entry = STRATEGIES.get(self.strategy)
+        if self.zero is None:
+            object.__setattr__(self, "zero", entry.default_zero if entry is not None else 0)
         if entry is not None and entry.zero is not None and self.zero == 0:
             object.__setattr__(self, "zero", entry.zero)
 
@@ -95,7 +97,12 @@ class ParallelConfig:
         elif entry.zero is not None and self.zero != entry.zero:
             out.append(f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
                        f"leave --zero out or use --strategy zero{self.zero}")
-        if entry.zero is not None and self.dp < 2 and not out:  # (a grid mistake already says more)
+        elif self.strategy == "accelerate-fsdp" and self.zero == 1:
+            out.append("strategy 'accelerate-fsdp' has no ZeRO-1 (FSDP shards the gradients with the optimizer "
+                       "states): use --zero 3 (FULL_SHARD, the default), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD), "
+                       "or --strategy torch-zero1")
+        shards = entry.zero is not None or entry.default_zero > 0
+        if shards and self.dp < 2 and not out:  # (a grid mistake already says more)
             out.append(f"strategy {self.strategy!r} shards over data-parallel ranks; on dp {self.dp} it would be a no-op "
                        "(each rank owning everything is 'single'), so use --nproc 2 or more")
         if self.ddp_mode not in DDP_MODES:
