@@ -194,6 +194,49 @@ def test_data_parallel_exercises_and_bug_labs_on_two_ranks(pool2, capsys):
     assert status == ex.SOLVED, out
 
 
+# ---------------------------------------------------------------- notebook 03: ZeRO (on two ranks)
+
+ZERO1_WRONG = [
+    ("shard = -(-numel // world)", "shard = numel // world",
+     r"elements 8\.\.9 of 10 belong to no rank\. Pad the buffer"),
+    ("return rank * shard, (rank + 1) * shard", "return (world - 1 - rank) * shard, (world - rank) * shard",
+     r"that is rank 3's piece\. Rank r owns the r-th contiguous piece"),
+    ("shard_range(numel, comm.get_rank(), comm.get_world_size())",
+     "shard_range(numel, 1 - comm.get_rank(), comm.get_world_size())",
+     r"step 0: on rank 0 adamw updated elements \[32, 64\) \(rank 1's\) of the padded buffer of 64, "
+     r"but rank 0 owns \[0, 32\)"),
+    ("    comm.all_gather_into_tensor(flat, shard.clone())", "",
+     r"step 0: on rank \d the other ranks' parameters are still those before the step.*All-gather the updated shards"),
+    ("comm.all_gather_into_tensor(flat, shard.clone())", "comm.all_gather_into_tensor(grad, grad[start:end].clone())",
+     r"all-gather was called, but .* gather the updated parameter shard into flat, not the gradients"),
+    ("shard.grad = grad[start:end]", "shard.grad = grad[:end - start]",
+     r"on rank 1 shard.grad is not this rank's slice of the averaged gradients: use grad\[32:64\]"),
+]
+
+
+@pytest.mark.multiprocess
+def test_zero_exercise_and_bug_labs_on_two_ranks(pool2, capsys):
+    status, out = grade("zero1_step", solution("zero1_step"), capsys)
+    assert status == ex.SOLVED and "3 steps on 2 ranks" in out, out
+    for old, new, feedback in ZERO1_WRONG:
+        status, message = grade("zero1_step", mutate("zero1_step", old, new), capsys)
+        assert status == ex.WRONG and re.search(feedback, message), (new, message)
+    # clipping by the local shard's norm: the ranks scale their shards differently
+    buggy = mutate("clip_sharded_", '    comm.all_reduce(total, "sum")', "    pass")
+    status, out = grade("clip_sharded_", buggy, capsys)
+    assert status == ex.BUGGY and re.search(r"the ranks scaled their shards by [\d.]+, [\d.]+ \(rank 0, 1", out), out
+    assert grade("clip_sharded_", solution("clip_sharded_"), capsys)[0] == ex.SOLVED
+    # ZeRO-3 that frees only in training: evaluation keeps every block gathered
+    buggy = mutate("shard_block", "            output.register_hook(lambda grad: unit.gather())\n        unit.free()",
+                   "            output.register_hook(lambda grad: unit.gather())\n            unit.free()")
+    status, out = grade("shard_block", buggy, capsys)
+    assert status == ex.BUGGY and "in evaluation (torch.no_grad), 2 of 2 blocks are still gathered" in out, out
+    assert grade("shard_block", solution("shard_block"), capsys)[0] == ex.SOLVED
+    template = "def shard_range(numel, rank, world):\n    raise NotImplementedError\n\n\n" \
+               "def zero1_step(flat, grad, numel, adamw):\n    raise NotImplementedError\n"
+    assert grade("zero1_step", template, capsys)[0] == ex.UNSOLVED
+
+
 @pytest.mark.multiprocess
 def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     from labsupport.pool import ranks
