@@ -24,6 +24,10 @@ the optimizer state (a resume needs the same layout, which train.check_resume en
 """
 from __future__ import annotations
 
+import logging
+import warnings
+from contextlib import contextmanager
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -39,14 +43,31 @@ from .zero import BETAS, decay_groups
 SHARDING = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 0: "NO_SHARD"}  # --zero -> FSDP's sharding strategy
 
 
+@contextmanager
+def deprecations_expected():
+    """Accelerate calls `sharding_strategy` deprecated (its successor cannot say SHARD_GRAD_OP or
+    NO_SHARD: it forces FULL_SHARD) and torch calls NO_SHARD deprecated (use DDP); we use both on
+    purpose, to show the mapping, so each rank need not say so."""
+    plugin_log = logging.getLogger("accelerate.utils.dataclasses")  # Accelerate logs its own
+    level = plugin_log.level
+    plugin_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*`NO_SHARD` sharding strategy is deprecated")
+            yield
+    finally:
+        plugin_log.setLevel(level)
+
+
 class AccelerateFSDP(Strategy):
     name = "accelerate-fsdp"
 
     def __init__(self, rt, config):
         super().__init__(rt, config)
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=1, sharding_strategy=SHARDING[config.zero], auto_wrap_policy=ModuleWrapPolicy({Block}),
-            use_orig_params=True, sync_module_states=False)
+        with deprecations_expected():
+            plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=1, sharding_strategy=SHARDING[config.zero], auto_wrap_policy=ModuleWrapPolicy({Block}),
+                use_orig_params=True, sync_module_states=False)
         self.accelerator = Accelerator(cpu=rt.device.type == "cpu", fsdp_plugin=plugin)
         state = self.accelerator.state  # one per process: it may hold an earlier strategy's plugin
         if state.distributed_type != DistributedType.FSDP:  # on CPU (see the module's docstring)
@@ -59,7 +80,8 @@ class AccelerateFSDP(Strategy):
         for tensor in [*model.parameters(), *model.buffers()]:  # FSDP shards what each rank has: start alike
             comm.broadcast(tensor.data, src=first_rank(group), group=group)
         self.dims = {id(p): p.dim() for p in model.parameters()}  # FSDP's views are flat
-        return self.accelerator.prepare_model(model)
+        with deprecations_expected():
+            return self.accelerator.prepare_model(model)
 
     def make_optimizer(self, model, lr, weight_decay):
         params = [p for p in model.parameters() if p.requires_grad]

@@ -1,7 +1,7 @@
 """FSDP2, torch's ZeRO-3, the reference our `zero3` is measured against.
 
 `fully_shard` on each transformer block, then on the root (embeddings, the tied LM head and the
-final LayerNorm): torchtitan's `apply_fsdp`. Every parameter becomes a DTensor sharded on dim 0
+final LayerNorm), the usual FSDP2 recipe. Every parameter becomes a DTensor sharded on dim 0
 (`Shard(0)`: rank r keeps the r-th 1/N of its rows, padded to a multiple of N), so the optimizer,
 its moments and the gradients are 1/N per rank. A block's parameters are all-gathered before its
 forward and freed after, gathered again for its backward, and its gradients reduce-scattered; the

@@ -5,8 +5,9 @@ ZeroRedundancyOptimizer gives each rank of the group whole parameters (largest f
 the rank holding the fewest elements so far) and runs AdamW on those only, so each rank keeps
 about 1/N of the Adam moments (to a parameter's granularity: ours cuts parameters, so it is
 exact to the padding). After its step, every rank broadcasts the parameters it updated.
-DDP's all-reduce is unchanged, as in our `zero1`. Its communication happens inside torch, not
-through labsupport.comm, so a torch-zero1 run reports no comm counters.
+DDP still all-reduces every gradient, so the traffic is DDP's plus those broadcasts, 1.5x
+(our `zero1` reduce-scatters instead: 1x, as the ZeRO paper derives). Its communication
+happens inside torch, not through labsupport.comm, so a torch-zero1 run reports no comm counters.
 
 A checkpoint holds this rank's shard of the optimizer state (its local AdamW's state dict): the
 partition depends only on the parameters and the group size, which a resume must match anyway.
