@@ -30,6 +30,19 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb: float, repeats: int) -> None:
+    """What every benchmark that races training steps of two strategies asks of its arguments."""
+    from ..model import get_preset
+    if nproc < 2:
+        raise ValueError(f"bench {name} needs --nproc 2 or more")
+    if get_preset(model).vocab is not None:
+        raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
+    if global_batch % nproc:
+        raise ValueError(f"--global-batch {global_batch} must be divisible by --nproc {nproc}")
+    if bucket_mb <= 0 or repeats < 1:
+        raise ValueError("--bucket-mb must be > 0 and --repeats >= 1")
+
+
 def run(name: str, nproc: int = 2, timeout: float | None = 600, out=None, **options) -> dict:
     """Launch benchmark `name` on `nproc` ranks; return its summary (rows, ratio, ...)."""
     import importlib

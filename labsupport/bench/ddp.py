@@ -12,15 +12,8 @@ VARIANTS = ("naive", "flat", "bucketed", "torch-ddp")
 
 
 def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None) -> None:
-    from ..model import get_preset
-    if nproc < 2:
-        raise ValueError("bench ddp needs --nproc 2 or more")
-    if get_preset(model).vocab is not None:
-        raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
-    if global_batch % nproc:
-        raise ValueError(f"--global-batch {global_batch} must be divisible by --nproc {nproc}")
-    if bucket_mb <= 0 or repeats < 1:
-        raise ValueError("--bucket-mb must be > 0 and --repeats >= 1")
+    from . import check_steps
+    check_steps("ddp", nproc, model, global_batch, bucket_mb, repeats)
     for mb in _sweep(bucket_sweep):
         if mb <= 0:
             raise ValueError("--bucket-sweep sizes must be > 0")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-# Imported before the ranks start (`python -m labsupport.bench.zero`): parallel/__init__ imports
-# torch.distributed.optim, which binds the world group as a default argument when imported.
 from ..parallel import ParallelConfig, make_strategy
 
 PAIRS = {"zero3": "torch-fsdp", "zero1": "torch-zero1"}  # ours -> the reference it races
@@ -20,15 +18,8 @@ MEMORY = ("params", "grads", "optimizer", "activations")
 
 
 def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None) -> None:
-    from ..model import get_preset
-    if nproc < 2:
-        raise ValueError("bench zero needs --nproc 2 or more (ZeRO shards over ranks)")
-    if get_preset(model).vocab is not None:
-        raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
-    if global_batch % nproc:
-        raise ValueError(f"--global-batch {global_batch} must be divisible by --nproc {nproc}")
-    if bucket_mb <= 0 or repeats < 1:
-        raise ValueError("--bucket-mb must be > 0 and --repeats >= 1")
+    from . import check_steps
+    check_steps("zero", nproc, model, global_batch, bucket_mb, repeats)
     if bucket_sweep:
         raise ValueError("--bucket-sweep is for bench ddp")
 
