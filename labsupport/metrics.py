@@ -90,10 +90,11 @@ class ActivationMeter:
     def _pack(self, t):
         if self._is_parameter(t):
             return t
-        key = (t.untyped_storage().data_ptr(), t.device)
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor: its local part
+        key = (storage.data_ptr(), t.device)
         entry = self._live.get(key)
         if entry is None:
-            entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
+            entry = self._live[key] = [storage.nbytes(), 0]
             self.bytes += entry[0]
             self.peak = max(self.peak, self.bytes)
         entry[1] += 1

@@ -105,9 +105,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x):
-        b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)  # -1: the heads this module holds
-        q, k, v = qkv.transpose(1, 2).unbind(dim=3)  # each (b, heads, t, head_dim)
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape  # from qkv, not x: under sequence parallelism qkv gathers all t positions
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(dim=3)  # -1: this module's heads
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

@@ -30,6 +30,8 @@ STRATEGIES = {
     "torch-zero1": Entry("labsupport.parallel.torch_zero:TorchZeRO1", ("dp",), zero=1),
     "torch-fsdp": Entry("labsupport.parallel.torch_fsdp:TorchFSDP", ("dp",), zero=3),
     "accelerate-fsdp": Entry("labsupport.parallel.accelerate_fsdp:AccelerateFSDP", ("dp",), default_zero=3),
+    "tp": Entry("labsupport.parallel.tensor:TensorParallel", ("tp",)),
+    "torch-tp": Entry("labsupport.parallel.torch_tp:TorchTP", ("tp",)),
 }
 
 __all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]

@@ -84,6 +84,8 @@ class ParallelConfig:
             return [f"--dp, --tp and --pp must be >= 1, got {self._grid()}"]
         if self.strategy == "single" and world_size != 1:
             out.append(f"strategy 'single' runs on one rank; use --nproc 1 (got {world_size})")
+        elif self.tp > world_size:
+            out.append(f"--tp {self.tp} needs at least {self.tp} ranks, but the run has {world_size} (--nproc)")
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
                        "make dp x tp x pp equal the number of ranks")

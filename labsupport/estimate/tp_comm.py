@@ -1,0 +1,89 @@
+"""What tensor parallelism communicates per optimizer step, predicted from the model's shape.
+
+Shoeybi et al. 2019 ("Megatron-LM", Sec. 3 and Fig. 4): a transformer layer cut by columns then
+rows needs two all-reduces in the forward pass (g, after attention's and the MLP's row-parallel
+output) and two in the backward pass (f, before their column-parallel inputs), each over the
+b x s x h activations of a micro-batch: four per layer per micro-batch.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Sec. 4.2.2): with sequence parallelism each g becomes a reduce-scatter in forward (an all-gather
+in backward) and each f an all-gather in forward (a reduce-scatter in backward): four all-gathers
+and four reduce-scatters per layer, of the same b x s x h buffer. A ring all-reduce is a
+reduce-scatter followed by an all-gather, so the bytes on the wire are the same.
+
+Around the layers (labsupport.parallel.tensor's TinyGPT): the vocab-parallel embedding sums its
+rows with one all-reduce in forward (and, under sequence parallelism, the scatter into the
+sequence-parallel region all-gathers its gradient in backward); the LM head's input enters
+through f (or the all-gather); the vocab-parallel cross-entropy all-reduces the softmax's
+maximum and, together, the target logits and the denominators: b s and 2 b s fp32 numbers,
+never the b s V logits. Per step, sequence parallelism adds one all-reduce of the LayerNorm
+and row-parallel bias gradients, and the gradient norm one float64.
+
+Sizes are `payload_bytes` as labsupport.comm counts them (for all-gather and reduce-scatter the
+full, unsharded buffer); `total` adds the wire bytes with nccl-tests' bus factors.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .comm_cost import BUS_FACTOR
+
+LOSS_BYTES = 4   # the loss reduces fp32 numbers whatever the compute dtype
+NORM_BYTES = 8   # the squared gradient norm is summed in float64
+
+
+def layer_comm(tokens: int, hidden: int, sequence_parallel: bool = False, bytes_per_element: int = 2) -> dict:
+    """{"forward": {op: (calls, payload_bytes)}, "backward": ...} of one transformer layer for
+    one micro-batch of `tokens` = b x s positions (Shoeybi et al. Fig. 4; Korthikanti Sec. 4.2.2)."""
+    size = tokens * hidden * bytes_per_element
+    if sequence_parallel:
+        return {"forward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)},
+                "backward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)}}
+    return {"forward": {"all_reduce": (2, 2 * size)}, "backward": {"all_reduce": (2, 2 * size)}}
+
+
+def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, microbatches: int = 1,
+            sequence_parallel: bool = False, bias: bool = True, bytes_per_element: int = 4,
+            grad_bytes: int = 4) -> dict:
+    """{phase: {op: {"calls", "payload_bytes"}}} one rank of a TP group sends per optimizer step,
+    phases "forward" and "backward" (all micro-batches), "finish" (sequence parallelism's summed
+    LayerNorm and bias gradients) and "clip" (the gradient norm). `bytes_per_element` is the
+    activations' (2 under bf16 autocast), `grad_bytes` the gradients'."""
+    tokens = micro_batch * seq_len
+    size = tokens * hidden * bytes_per_element
+    phases = {name: defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
+              for name in ("forward", "backward", "finish", "clip")}
+
+    def add(phase, op, calls, payload):
+        phases[phase][op]["calls"] += calls
+        phases[phase][op]["payload_bytes"] += payload
+
+    for phase, ops in layer_comm(tokens, hidden, sequence_parallel, bytes_per_element).items():
+        for op, (calls, payload) in ops.items():
+            add(phase, op, n_layers * calls * microbatches, n_layers * payload * microbatches)
+    for _ in range(microbatches):
+        add("forward", "all_reduce", 1, size)                        # the embedding's rows summed (g)
+        add("forward", "all_reduce", 2, 3 * tokens * LOSS_BYTES)    # the loss: max, then target logit + denominator
+        if sequence_parallel:
+            add("backward", "all_gather", 1, size)                   # the scatter after the embedding
+            add("forward", "all_gather", 1, size)                    # the LM head's input
+            add("backward", "reduce_scatter", 1, size)
+        else:
+            add("backward", "all_reduce", 1, size)                   # the LM head's f
+    if sequence_parallel:
+        norm = 2 * hidden if bias else hidden                        # a LayerNorm's weight (and bias)
+        per_layer = 2 * norm + (2 * hidden if bias else 0)           # two LayerNorms, two row-parallel biases
+        add("finish", "all_reduce", 1, (n_layers * per_layer + norm) * grad_bytes)
+    add("clip", "all_reduce", 1, NORM_BYTES)
+    return {name: {op: dict(c) for op, c in ops.items()} for name, ops in phases.items() if ops}
+
+
+def total(phases: dict, tp: int) -> dict:
+    """The phases summed into labsupport.comm's {op: {"calls", "payload_bytes", "wire_bytes"}}."""
+    out = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+    for ops in phases.values():
+        for op, c in ops.items():
+            out[op]["calls"] += c["calls"]
+            out[op]["payload_bytes"] += c["payload_bytes"]
+            out[op]["wire_bytes"] += int(round(BUS_FACTOR[op](tp) * c["payload_bytes"]))
+    return {op: dict(c) for op, c in sorted(out.items())}

@@ -1,0 +1,406 @@
+"""Tensor parallelism as in Megatron-LM: each layer's matrices cut over a group of T ranks.
+
+Shoeybi et al. 2019 ("Megatron-LM", Sec. 3) cut a transformer layer so that it needs two
+all-reduces in forward and two in backward:
+
+* the MLP's first matrix by columns (`ColumnParallelLinear`: each rank computes 4h/T of the
+  hidden units, and GELU applies to them without any communication), its second by rows
+  (`RowParallelLinear`: each rank multiplies its 4h/T inputs and the partial sums are added by
+  an all-reduce; the bias is added once, after it);
+* attention the same way, by whole heads (`ParallelAttention`): q, k, v by columns (TinyGPT lays
+  them out head by head, so a block of rows is a set of heads), the output projection by rows;
+* the embedding by vocabulary rows (`VocabParallelEmbedding`), the tied LM head by the same
+  rows, and the loss computed on the vocabulary shards (`vocab_parallel_cross_entropy`): the
+  full b x s x V logits are never on one rank.
+
+The communication is two conjugate autograd functions: f (`copy_to_tensor_parallel_region`) is
+the identity in forward and an all-reduce in backward, g (`reduce_from_tensor_parallel_region`)
+an all-reduce in forward and the identity in backward. f enters a parallel region, g leaves it.
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Sec. 4.2.2): between the parallel regions, LayerNorm and dropout are
+replicated on every rank; instead each rank keeps s/T of the positions there. g becomes a
+reduce-scatter along the sequence (`reduce_scatter_to_sequence_parallel_region`) and f an
+all-gather (`gather_from_sequence_parallel_region`). A ring all-reduce *is* a reduce-scatter
+then an all-gather, so the traffic is the same and the activations there are divided by T.
+Each rank's LayerNorm (and row-parallel bias) then sees only its positions: their gradients
+are partial sums that must be all-reduced over the group (`allreduce_sequence_parallel_gradients`).
+
+`apply_tensor_parallel(model, group)` cuts a TinyGPT in place, slicing the dense weights, so a
+dense model and its parallel version start identical; `TensorParallel` is the `tp` strategy.
+All communication goes through `comm`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from ..model import MLP, CausalSelfAttention
+from .strategy import Strategy, clip_grad_norm_
+
+SEQ_DIM = 1  # activations are (batch, sequence, hidden)
+
+
+# ====================================================================== splitting and joining along a dimension
+
+def _shard(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous 1/T of `t` along `dim` (a copy)."""
+    return t.chunk(comm.get_world_size(group), dim=dim)[comm.get_rank(group)].contiguous()
+
+
+def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (one all-gather into a flat buffer, then reorder)."""
+    n = comm.get_world_size(group)
+    out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)  # ranks stacked on dim 0
+    comm.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out.view(n, *t.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `t` over the ranks and keep this rank's 1/T along `dim`."""
+    chunks = [c.contiguous() for c in t.chunk(comm.get_world_size(group), dim=dim)]
+    out = torch.empty_like(chunks[0])
+    comm.reduce_scatter(out, chunks, "sum", group=group)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.contiguous().clone()  # never in place: the caller may still hold the tensor
+    comm.all_reduce(out, "sum", group=group)
+    return out
+
+
+# ====================================================================== the conjugate functions (f and g)
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: every rank needs the whole input; each computes a different part of the output, so the
+    input's gradient is the sum of the ranks' contributions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: the ranks' partial sums become the output; its gradient is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """f under sequence parallelism: all-gather the positions; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """g under sequence parallelism: sum the partial outputs, keep this rank's positions;
+    backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Enter the sequence-parallel region from a replicated tensor: keep this rank's positions
+    (no communication); backward all-gathers the positions' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _shard(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x, group=None):
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group=None):
+    return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group=None):
+    return _GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group=None):
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+# ====================================================================== layers, each cut from its dense twin
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A = [A_1 ... A_T] cut by output columns: rank i keeps A_i (rows of the torch
+    weight) and its slice of the bias, and computes Y_i. Its input enters through f (or, under
+    sequence parallelism, the all-gather of the positions)."""
+
+    def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, group))
+        self.bias = None if linear.bias is None else nn.Parameter(_shard(linear.bias.detach(), 0, group))
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A cut by input rows, X already cut by columns (a column-parallel layer's
+    output): rank i computes X_i A_i, g sums them (or reduce-scatters them along the sequence).
+    The bias is replicated and added after the sum: added before it, it would count T times."""
+
+    def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, group))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding cut by vocabulary rows: rank i holds tokens [i V/T, (i+1) V/T). Each rank
+    looks up the ids it holds, zeros for the others, and g sums the ranks' rows."""
+
+    def __init__(self, embedding: nn.Embedding, group=None):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, group))
+        self.vocab_start = comm.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return reduce_from_tensor_parallel_region(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
+
+
+class SequenceParallelScatter(nn.Module):
+    """Put in front of the embeddings' dropout: from here on each rank holds s/T positions."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return scatter_to_sequence_parallel_region(x, self.group)
+
+
+class ParallelAttention(CausalSelfAttention):
+    """Causal self-attention on this rank's H/T heads: q, k, v column-parallel, the output
+    projection row-parallel. The dense module's own forward runs unchanged: it reads the number
+    of heads off qkv's output. Attention itself needs no communication: heads are independent."""
+
+    def __init__(self, attn: CausalSelfAttention, group=None, *, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.head_dim, self.dropout = attn.head_dim, attn.dropout
+        self.qkv = ColumnParallelLinear(attn.qkv, group, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(attn.proj, group, sequence_parallel=sequence_parallel)
+
+
+class ParallelMLP(MLP):
+    """h -> 4h/T (column-parallel; GELU on this rank's units) -> h (row-parallel, one reduction),
+    with the dense module's forward."""
+
+    def __init__(self, mlp: MLP, group=None, *, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.fc = ColumnParallelLinear(mlp.fc, group, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(mlp.proj, group, sequence_parallel=sequence_parallel)
+
+
+# ====================================================================== the loss on vocabulary shards
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy from this rank's V/T columns of the logits, per token: the softmax's max and
+    denominator and the target's logit are reduced over the group (b s numbers each), never the
+    logits. Backward is local: softmax minus the one-hot of the target, on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        ctx.dtype, logits = logits.dtype, logits.float()
+        top = logits.max(dim=-1).values
+        comm.all_reduce(top, "max", group=group)
+        shifted = logits - top.unsqueeze(-1)  # exp cannot overflow; the loss does not change
+        local = targets - vocab_start
+        elsewhere = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(elsewhere, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])  # the two sums travel together
+        comm.all_reduce(sums, "sum", group=group)
+        target_logit, denominator = sums
+        ctx.save_for_backward(exp / denominator.unsqueeze(-1), local, elsewhere)
+        return denominator.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, elsewhere = ctx.saved_tensors
+        mine = (~elsewhere).to(softmax.dtype).unsqueeze(-1)  # 1 where the target is in this rank's columns
+        one_hot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), mine)
+        return ((softmax - one_hot) * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """Per-token cross-entropy (shape of `targets`, the same on every rank) from logits whose
+    last dimension is this rank's contiguous 1/T of the vocabulary."""
+    vocab_start = comm.get_rank(group) * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), vocab_start,
+                                            group).view_as(targets)
+
+
+def gather_vocabulary(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """The full logits from the vocabulary shards (for sampling; not differentiable)."""
+    return _all_gather(logits, logits.dim() - 1, group)
+
+
+# ====================================================================== applying it to TinyGPT
+
+def apply_tensor_parallel(model: nn.Module, group=None, *, sequence_parallel: bool = False) -> nn.Module:
+    """Cut a TinyGPT (or a pipeline stage of one) over `group`, in place.
+
+    The group's first rank's dense weights are broadcast, then every rank keeps its slices:
+    the parallel model computes what the dense one does. The tied LM head and the embedding
+    share their vocabulary shard; the -inf padding of the logits is sliced with them. Under
+    sequence parallelism the residual stream between the parallel regions holds s/T positions
+    from the embeddings' dropout to the LM head's input.
+    """
+    for tensor in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(tensor.data, src=comm.global_rank(group, 0), group=group)
+    for block in model.blocks.values():
+        block.attn = ParallelAttention(block.attn, group, sequence_parallel=sequence_parallel)
+        block.mlp = ParallelMLP(block.mlp, group, sequence_parallel=sequence_parallel)
+    tied = model.tok_emb is not None and model.lm_head is not None and model.lm_head.weight is model.tok_emb.weight
+    if model.tok_emb is not None:
+        model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
+        if sequence_parallel:
+            model.drop = nn.Sequential(SequenceParallelScatter(group), model.drop)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel)
+        if tied:
+            model.lm_head.weight = model.tok_emb.weight
+        model.vocab_padding = _shard(model.vocab_padding, 0, group)
+    return model
+
+
+def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters cut over the group (each rank holds a different part of them)."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            out |= {id(p): p for p in m.parameters(recurse=False)}
+        elif isinstance(m, RowParallelLinear):
+            out[id(m.weight)] = m.weight
+    return list(out.values())
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters that see only this rank's positions under sequence parallelism, so
+    that each rank's gradient is a partial sum: the LayerNorms and the row-parallel biases."""
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear) and m.sequence_parallel]
+    if not rows:
+        return []
+    norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    return norms + [m.bias for m in rows if m.bias is not None]
+
+
+def allreduce_sequence_parallel_gradients(model: nn.Module, group=None) -> None:
+    """Sum the partial gradients of `sequence_parallel_parameters` over the group, in one
+    all-reduce (Megatron-LM's all-reduce of the LayerNorm gradients). Once per optimizer step."""
+    params = [p for p in sequence_parallel_parameters(model) if p.grad is not None]
+    if params:
+        flat = _all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), group)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+def grad_norm_parameters(model: nn.Module, group=None) -> list[nn.Parameter]:
+    """The parameters whose gradients this rank counts in the global norm, summed over the group:
+    its shards, and the replicated parameters on the group's first rank only."""
+    sharded = sharded_parameters(model)
+    if comm.get_rank(group) != 0:
+        return sharded
+    ids = {id(p) for p in sharded}
+    return sharded + [p for p in model.parameters() if id(p) not in ids]
+
+
+# ====================================================================== the `tp` strategy
+
+class TensorParallel(Strategy):
+    """`--strategy tp --tp T [--sequence-parallel]`: the model cut over the mesh's TP group; every
+    rank of the group reads the same micro-batches. The loss is the vocab-parallel one; after
+    backward, sequence parallelism's partial gradients are summed; the norm counts each
+    gradient once over the group."""
+
+    name = "tp"
+
+    def parallelize(self, model):
+        return apply_tensor_parallel(model.to(self.rt.device), self.mesh.tp_group,
+                                     sequence_parallel=self.config.sequence_parallel)
+
+    def loss_fn(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group).mean()
+
+    def finish_backward(self, model):
+        allreduce_sequence_parallel_gradients(model, self.mesh.tp_group)
+
+    def clip_grad_norm_(self, model, max_norm):
+        """The norm counts each gradient once over the group; the scale applies to all of them,
+        the replicated ones on every rank too (or the replicas would drift apart)."""
+        norm = clip_grad_norm_(grad_norm_parameters(model, self.mesh.tp_group), math.inf,
+                               groups=(self.mesh.tp_group,), device=self.rt.device)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, torch.tensor(norm), foreach=False)
+        return norm
+
+    @torch.no_grad()
+    def logits(self, model, idx):
+        """Full logits on every rank. Sequence parallelism needs a length T divides: the prompt is
+        padded at its end, which causal attention never lets earlier positions see."""
+        t, pad = idx.shape[1], -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
+        out = model(F.pad(idx, (0, pad)))[:, :t]
+        return gather_vocabulary(out, self.mesh.tp_group)

@@ -1,0 +1,111 @@
+"""torch's tensor parallelism (DTensor), the reference our `tp` is measured against.
+
+`parallelize_module` with a plan per module, as torchtitan's `apply_tp` writes it, on a
+DeviceMesh made from the rank grid's TP group:
+
+* attention's qkv and the MLP's fc `ColwiseParallel`, their output projections `RowwiseParallel`
+  (TinyGPT's head-by-head qkv layout makes a block of rows whole heads);
+* the token embedding `RowwiseParallel` (vocabulary rows, the partial rows summed), the tied LM
+  head `ColwiseParallel` on the same rows, its output kept as a DTensor sharded on the
+  vocabulary, and the loss computed under `loss_parallel()`, which never gathers the logits;
+* with `--sequence-parallel`, the LayerNorms `SequenceParallel`, the row-parallel outputs
+  reduce-scattered to `Shard(1)` (the sequence) and gathered again before the next column-parallel
+  input (`PrepareModuleInput`); the embeddings' dropout takes its positions (`Replicate` ->
+  `Shard(1)`, a local slice) since the position embedding is added to the full sequence.
+
+DTensor redistributes these parameters; the tie between embedding and head is restored after.
+Under sequence parallelism DTensor knows what our `tp` sums by hand: a replicated parameter
+used on this rank's positions only may get a `Partial` gradient, summed where it is read (the
+optimizer step; `full_tensor()` in the norm). Communication happens inside torch, not through
+labsupport.comm: compare losses and times, not comm counts.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
+
+from .. import comm
+from .strategy import Strategy, clip_grad_norm_
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def plan(model, sequence_parallel: bool) -> dict:
+    """torchtitan's `apply_tp` plan for TinyGPT's module names."""
+    seq, rep = Shard(1), Replicate()
+    between = seq if sequence_parallel else rep  # the residual stream between parallel regions
+    out = {"tok_emb": RowwiseParallel(input_layouts=rep, output_layouts=rep),
+           "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
+    if sequence_parallel:
+        out["drop"] = PrepareModuleInput(input_layouts=rep, desired_input_layouts=seq, use_local_output=True)
+        out["ln_f"] = SequenceParallel()
+    for i in model.blocks:
+        for part, (col, row) in (("attn", ("qkv", "proj")), ("mlp", ("fc", "proj"))):
+            out[f"blocks.{i}.{part}.{col}"] = ColwiseParallel()
+            out[f"blocks.{i}.{part}.{row}"] = RowwiseParallel(output_layouts=between)
+            if sequence_parallel:
+                out[f"blocks.{i}.{part}"] = PrepareModuleInput(input_layouts=seq, desired_input_layouts=rep)
+        if sequence_parallel:
+            out[f"blocks.{i}.ln1"] = out[f"blocks.{i}.ln2"] = SequenceParallel()
+    return out
+
+
+class TorchTP(Strategy):
+    name = "torch-tp"
+
+    def parallelize(self, model):
+        model = model.to(self.rt.device)
+        group = self.mesh.tp_group
+        for tensor in [*model.parameters(), *model.buffers()]:  # DTensor slices what each rank has: start alike
+            comm.broadcast(tensor.data, src=comm.global_rank(group, 0), group=group)
+        self.tp_mesh = DeviceMesh.from_group(group, self.rt.device.type, mesh_dim_names=("tp",))
+        parallelize_module(model, self.tp_mesh, plan(model, self.config.sequence_parallel))
+        model.lm_head.weight = model.tok_emb.weight  # both Shard(0) on the vocabulary: tie them again
+        model.vocab_padding = distribute_tensor(model.vocab_padding, self.tp_mesh, [Shard(0)])
+        return model
+
+    def loss_fn(self, logits, targets):
+        with loss_parallel():
+            return super().loss_fn(logits, targets)
+
+    def backward(self, loss):
+        with loss_parallel():
+            loss.backward()
+
+    def clip_grad_norm_(self, model, max_norm):
+        """Our clip on plain tensors (DTensor's own norm wants every parameter a DTensor): the
+        shards counted on every rank, the replicated ones on TP rank 0; then all scaled, on
+        every rank. A replicated parameter's gradient may still be `Partial` (a LayerNorm's
+        under sequence parallelism): `full_tensor()` sums it (on every rank: a collective)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        sharded = [p for p in params if isinstance(p, DTensor) and p.placements[0].is_shard()]
+        replicated = [p for p in params if not any(p is q for q in sharded)]
+        counted = [SimpleNamespace(grad=local(p.grad)) for p in sharded]
+        whole = [SimpleNamespace(grad=p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in replicated]
+        counted += whole if self.mesh.tp_rank == 0 else []
+        norm = clip_grad_norm_(counted, math.inf, groups=(self.mesh.tp_group,), device=self.rt.device)
+        views = [SimpleNamespace(grad=local(p.grad)) for p in params]  # the gradients' own storage
+        torch.nn.utils.clip_grads_with_norm_(views, max_norm, torch.tensor(norm), foreach=False)
+        return norm
+
+    @torch.no_grad()
+    def logits(self, model, idx):
+        t, pad = idx.shape[1], -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
+        out = model(torch.nn.functional.pad(idx, (0, pad)))
+        return out.full_tensor()[:, :t]
+
+    def model_state(self, model) -> dict:
+        return {k: local(v).clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def load_model_state(self, model, state: dict) -> None:
+        for k, v in model.state_dict().items():
+            local(v).copy_(state[k])

@@ -1,0 +1,169 @@
+"""Tensor parallelism is proven against the dense model: the same logits, loss and every gradient
+(each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism; the same
+training losses as `single` through `labsupport train`; and bad degrees refused before any start."""
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+from labsupport.estimate.tp_comm import total, tp_comm
+from labsupport.launch import launch
+from test_ddp import COMMON, assert_same_as_single
+
+pytestmark = pytest.mark.multiprocess
+
+# ---------------------------------------------------------------- library level: dense and parallel side by side
+
+DENSE = textwrap.dedent('''
+    """Each rank builds the dense TinyGPT (rank 0's weights) and a parallel copy of it cut over the
+    world (each rank its own weights first: the broadcast must replace them by rank 0's). Forward and backward on the same
+    batch; the parallel logits gathered, the loss and every gradient (this rank's slice of the
+    dense one) must agree to 1e-5 relative; comm counts each phase per rank."""
+    import sys
+    import torch
+    from labsupport import comm, init, report
+    from labsupport.model import ModelConfig, TinyGPT, lm_loss
+    from labsupport.parallel import tensor as tp
+
+    sequence_parallel = sys.argv[1] == "sp"
+    failures, counts = [], {}
+    with init(seed=0) as rt:
+        cfg = ModelConfig("tiny", n_layers=2, hidden=32, heads=4, vocab=57, seq_len=8)
+
+        def build(seed):  # TinyGPT starts with zero biases and unit LayerNorms: too kind a trap
+            torch.manual_seed(seed)
+            model = TinyGPT(cfg)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn_like(p))
+            return model
+
+        dense = build(0)
+        # rank 0's weights are the dense model's; the others' differ until the broadcast
+        model = tp.apply_tensor_parallel(build(rt.rank), None, sequence_parallel=sequence_parallel)
+        data = torch.Generator().manual_seed(1)
+        x, y = torch.randint(0, 57, (3, 8), generator=data), torch.randint(0, 57, (3, 8), generator=data)
+
+        def close(name, a, b):
+            scale = b[b.isfinite()].abs().max().item()  # the padded logits are -inf on both sides
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale):
+                failures.append(f"{name} differs" + (f" by {(a - b).nan_to_num().abs().max().item():.2e}"
+                                                     if a.shape == b.shape
+                                                     else f" in shape {tuple(a.shape)} vs {tuple(b.shape)}"))
+
+        ref_logits = dense(x)
+        ref_loss = lm_loss(ref_logits, y)
+        ref_loss.backward()
+        comm.reset()
+        logits = model(x)
+        loss = tp.vocab_parallel_cross_entropy(logits, y).mean()
+        counts["forward"] = comm.counts()
+        comm.reset()
+        loss.backward()
+        counts["backward"] = comm.counts()
+        comm.reset()
+        tp.allreduce_sequence_parallel_gradients(model)
+        counts["finish"] = comm.counts()
+        close("logits", tp.gather_vocabulary(logits.detach()), ref_logits.detach())
+        close("loss", loss.detach(), ref_loss.detach())
+        reference = dict(dense.named_parameters())
+        for name, p in model.named_parameters():
+            want = reference[name].grad
+            for dim, (mine, full) in enumerate(zip(p.shape, want.shape)):
+                if mine != full:  # the dimension this parameter is cut along: this rank's slice
+                    want = want.chunk(rt.world_size, dim=dim)[rt.rank]
+            close(f"grad of {name}", p.grad, want)
+        report(failures=failures, counts=counts, names=sorted(n for n, _ in model.named_parameters()),
+               dense_names=sorted(reference))
+''')
+
+
+def run_dense(tmp_path, nproc, mode, source=DENSE):
+    script = tmp_path / "dense.py"
+    script.write_text(source)
+    res = launch(str(script), mode, nproc=nproc, timeout=120, run_dir=tmp_path / "run")
+    return [res.report(rank) for rank in range(nproc)]
+
+
+@pytest.mark.parametrize("nproc, mode", [(2, "-"), (2, "sp"), (4, "-"), (4, "sp")])
+def test_logits_loss_and_every_gradient_match_the_dense_model(tmp_path, nproc, mode):
+    reports = run_dense(tmp_path, nproc, mode)
+    predicted = tp_comm(n_layers=2, hidden=32, seq_len=8, micro_batch=3, sequence_parallel=mode == "sp")
+    for rank, rep in enumerate(reports):
+        assert rep["failures"] == [], f"rank {rank}"
+        assert rep["names"] == rep["dense_names"], "the parallel model keeps the dense parameter names"
+        for phase in ("forward", "backward", "finish"):  # what comm counted against estimate/tp_comm.py
+            assert rep["counts"][phase] == total({phase: predicted.get(phase, {})}, nproc), (rank, phase)
+
+
+BUGS = {
+    "the row-parallel bias added before the all-reduce (T times)": (
+        [("y = F.linear(x, self.weight)\n", "y = F.linear(x, self.weight, self.bias)\n"),
+         ("return y if self.bias is None else y + self.bias", "return y")], "-", "logits differs"),
+    "f and g swapped": (
+        [("x = copy_to_tensor_parallel_region(x, self.group)", "x = reduce_from_tensor_parallel_region(x, self.group)"),
+         ("y = reduce_from_tensor_parallel_region(y, self.group)", "y = copy_to_tensor_parallel_region(y, self.group)")],
+        "-", "logits differs"),
+    "sequence parallelism without summing the LayerNorms' partial gradients": (
+        [("params = [p for p in sequence_parallel_parameters(model) if p.grad is not None]", "params = []")],
+        "sp", "grad of blocks.0.ln1.weight"),
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_planted_bugs_are_caught(tmp_path, bug):
+    """Each bug is planted in a copy of tensor.py that the script imports instead of the real one."""
+    from labsupport.parallel import tensor
+    replacements, mode, expected = BUGS[bug]
+    source = open(tensor.__file__).read().replace("from .. import", "from labsupport import")
+    source = source.replace("from ..", "from labsupport.").replace("from .strategy import",
+                                                                   "from labsupport.parallel.strategy import")
+    for old, new in replacements:
+        assert old in source
+        source = source.replace(old, new)
+    (tmp_path / "planted_tp.py").write_text(source)
+    reports = run_dense(tmp_path, 2, mode, DENSE.replace("from labsupport.parallel import tensor as tp",
+                                                         "import planted_tp as tp"))
+    assert any(f.startswith(expected) for f in reports[0]["failures"]), reports[0]["failures"]
+
+
+# ---------------------------------------------------------------- the CLI: `labsupport train --strategy tp --json`
+
+def train(tmp_path, strategy, nproc, *extra):
+    res = run_cli("train", "--strategy", strategy, "--nproc", nproc, "--json", *COMMON,
+                  "--checkpoint-dir", tmp_path / "ckpt", *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), "single", 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", [
+    ("tp", 2, ["--tp", "2"]),
+    ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"]),
+    ("tp", 4, ["--tp", "4", "--sequence-parallel"]),
+    ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"]),
+])
+def test_training_matches_single_step_by_step(tmp_path, single, strategy, nproc, extra):
+    out = train(tmp_path, strategy, nproc, *extra)
+    assert out["parallel"]["tp"] == nproc and out["parallel"]["dp"] == 1
+    assert_same_as_single(out, single)
+    assert set(out["comm_groups"][0]) <= {"tp"}, "tensor parallelism talks within its TP group only"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "3", "--nproc", "3"], "--tp 3 must divide the model's heads (4)"),
+    (["--tp", "4", "--nproc", "2"], "--tp 4 needs at least 4 ranks, but the run has 2 (--nproc)"),
+    (["--tp", "2", "--nproc", "2", "--seq-len", "7", "--sequence-parallel"],
+     "--sequence-parallel needs --tp 2 to divide the sequence length (7)"),
+    (["--tp", "2", "--nproc", "4", "--dp", "2"], "strategy 'tp' splits over tp only, so --dp must be 1 (got 2)"),
+])
+def test_bad_tensor_parallel_arguments_fail_before_start(args, message):
+    res = run_cli("train", "--strategy", "tp", "--model", "nano", *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr

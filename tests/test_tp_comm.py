@@ -1,0 +1,60 @@
+"""Tensor parallelism's traffic: the prediction (estimate/tp_comm.py) against the papers' statements,
+and against what labsupport.comm counts in a real `labsupport train --strategy tp` step."""
+import json
+
+import pytest
+
+from conftest import run_cli
+from labsupport.estimate.comm_cost import BUS_FACTOR
+from labsupport.estimate.tp_comm import layer_comm, total, tp_comm
+
+
+def wire(ops: dict, tp: int) -> float:
+    return sum(BUS_FACTOR[op](tp) * payload for op, (_, payload) in ops.items())
+
+
+def test_a_layer_needs_two_all_reduces_forward_and_two_backward():
+    """Shoeybi et al. 2019, Sec. 3 and Fig. 4: two all-reduces in the forward path and two in the
+    backward path per transformer layer, each over the b x s x h activations."""
+    b, s, h = 4, 2048, 12288
+    layer = layer_comm(b * s, h, bytes_per_element=2)
+    assert layer == {"forward": {"all_reduce": (2, 2 * b * s * h * 2)}, "backward": {"all_reduce": (2, 2 * b * s * h * 2)}}
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sequence_parallelism_trades_each_all_reduce_for_a_pair_of_the_same_volume(tp):
+    """Korthikanti et al. 2022, Sec. 4.2.2: four all-gathers and four reduce-scatters instead of four
+    all-reduces; a ring all-reduce is a reduce-scatter followed by an all-gather, so the bandwidth
+    is the same."""
+    b, s, h = 1, 2048, 12288
+    plain, sp = layer_comm(b * s, h), layer_comm(b * s, h, sequence_parallel=True)
+    calls = {op: sum(sp[phase].get(op, (0, 0))[0] for phase in sp) for op in ("all_gather", "reduce_scatter")}
+    assert calls == {"all_gather": 4, "reduce_scatter": 4}
+    for phase in ("forward", "backward"):
+        assert wire(sp[phase], tp) == pytest.approx(wire(plain[phase], tp))
+
+
+def test_the_loss_never_moves_the_logits():
+    """The vocab-parallel cross-entropy reduces 3 numbers per token, whatever the vocabulary."""
+    step = tp_comm(n_layers=1, hidden=64, seq_len=8, micro_batch=2)
+    tokens, activation = 16, 16 * 64 * 4
+    forward = step["forward"]["all_reduce"]
+    assert forward == {"calls": 2 + 1 + 2, "payload_bytes": 3 * activation + 3 * tokens * 4}
+
+
+# ---------------------------------------------------------------- measured: labsupport train --strategy tp --json
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra, microbatches", [([], 1), (["--sequence-parallel", "--micro-batch", "4"], 2)])
+def test_counted_traffic_is_the_prediction(tmp_path, extra, microbatches):
+    """Every op's calls, payload and wire bytes of the last step, per rank, within the TP group."""
+    res = run_cli("train", "--strategy", "tp", "--tp", 2, "--nproc", 2, "--json", "--model", "nano", "--steps", 2,
+                  "--global-batch", 8, "--sample-chars", 0, "--eval-batches", 0, *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    m = out["model"]
+    predicted = total(tp_comm(m["n_layers"], m["hidden"], m["seq_len"], 8 // microbatches, microbatches=microbatches,
+                              sequence_parallel="--sequence-parallel" in extra), tp=2)
+    for rank in range(2):
+        assert out["comm_groups"][rank] == {"tp": predicted}, rank
+        assert out["comm"][rank] == predicted
