@@ -236,6 +236,84 @@ def test_zero_exercise_and_bug_labs_on_two_ranks(pool2, capsys):
                "def zero1_step(flat, grad, numel, adamw):\n    raise NotImplementedError\n"
     assert grade("zero1_step", template, capsys)[0] == ex.UNSOLVED
 
+# ---------------------------------------------------------------- notebook 04: tensor parallelism
+
+TP_LOCAL_WRONG = [
+    ("column_parallel_forward", "weight.chunk(world, dim=0)", "weight.chunk(world, dim=1)",
+     r"raised RuntimeError: .* A torch Linear's weight is \(out, in\): .* cut weight along dim 0"),
+    ("column_parallel_forward", "w_parts[i], b_parts[i])", "w_parts[i], None)", r"rank 0's output lacks the bias"),
+    ("column_parallel_forward", "w_parts[i], b_parts[i])", "weight, bias)",
+     r"rank 0's output has shape \(4, 8\), expected \(4, 4\): that is the whole output"),
+    ("column_parallel_forward", "w_parts[i], b_parts[i])", "w_parts[i], b_parts[0])",
+     r"rank 1 added the first slice of the bias"),
+    ("row_parallel_forward", "x_parts[i], w_parts[i])", "x_parts[i], w_parts[i], bias)",
+     r"rank 0's partial output includes the bias\. .* the sum would hold it 2 times"),
+    ("row_parallel_forward", "sum(partials) + bias", "sum(partials)", r"y is the sum of the partials without the bias"),
+    ("row_parallel_forward", "weight.chunk(world, dim=1)", "weight.chunk(world, dim=0)",
+     r"raised RuntimeError: .* same slice of its dim 1"),
+]
+
+
+@pytest.mark.parametrize("name", ["column_parallel_forward", "row_parallel_forward"])
+def test_tensor_parallel_one_process_references_pass(name, capsys):
+    status, out = grade(name, solution(name), capsys)
+    assert status == ex.SOLVED and "T = 2, 4 and 3 ranks" in out, out
+
+
+@pytest.mark.parametrize("name, old, new, feedback", TP_LOCAL_WRONG)
+def test_tensor_parallel_one_process_wrong_answers_get_their_feedback(name, old, new, feedback, capsys):
+    status, message = grade(name, mutate(name, old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+TP_MLP_WRONG = [
+    ("linear(h, w2)           # my partial sum of the full output\n    comm.all_reduce(y, \"sum\")                       "
+     "# g: every rank now holds the sum\n    return y + b2",
+     'linear(h, w2, b2)\n    comm.all_reduce(y, "sum")\n    return y',
+     r"holds the second bias 2 times: every rank added it before the all-reduce"),
+    ('    comm.all_reduce(y, "sum")', '    comm.all_reduce(y, "avg")', r"the average of the partial sums, not their sum"),
+    ('    comm.all_reduce(y, "sum")', "    pass", r"this rank's partial sum only: all-reduce"),
+    ("    return y + b2", "    comm.all_reduce(h, 'max')\n    return y + b2",
+     r"the output is right, but rank \d made these collectives: all_reduce x2\. Megatron's MLP needs one"),
+]
+
+G_WRONG = [
+    ("def g_backward(grad):\n    return grad", 'def g_backward(grad):\n    comm.all_reduce(grad, "sum")\n    return grad',
+     r"the forward is right, but x's gradient is 2, 2 \(rank 0, 1, \.\.\.\) .* g's backward summed"),
+    ('    comm.all_reduce(grad, "sum")    # each', "    pass  # each",
+     r"x's gradient is [\d.]+, [\d.]+ .* f's backward must sum"),
+    ('    comm.all_reduce(grad, "sum")    # each', '    comm.all_reduce(grad, "avg")    # each',
+     r"the trouble is in f's backward: .* summed, not averaged"),
+    ("def g_backward(grad):\n    return grad", 'def g_backward(grad):\n    comm.all_reduce(grad, "avg")\n    return grad',
+     r"the gradients are right, but backward made 2 all-reduces .* one is enough"),
+]
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
+    status, out = grade("tp_mlp_forward", solution("tp_mlp_forward"), capsys)
+    assert status == ex.SOLVED and "exactly one all-reduce" in out, out
+    for old, new, feedback in TP_MLP_WRONG:
+        status, message = grade("tp_mlp_forward", mutate("tp_mlp_forward", old, new), capsys)
+        assert status == ex.WRONG and re.search(feedback, message), (new, message)
+    status, out = grade("g_backward", solution("g_backward"), capsys)
+    assert status == ex.SOLVED and "one all-reduce in backward" in out, out
+    for old, new, feedback in G_WRONG:
+        status, message = grade("g_backward", mutate("g_backward", old, new), capsys)
+        assert status == ex.WRONG and re.search(feedback, message), (new, message)
+    swapped = mutate("g_backward", '    comm.all_reduce(grad, "sum")    # each', "    pass  # each").replace(
+        "def g_backward(grad):\n    return grad", 'def g_backward(grad):\n    comm.all_reduce(grad, "sum")\n    return grad')
+    status, message = grade("g_backward", swapped, capsys)
+    assert status == ex.WRONG and "the forward is right" in message and "g's backward summed" in message, message
+    # the row-parallel bias added before the all-reduce: the output carries it T times
+    buggy = mutate("row_parallel_linear", "linear(x_shard, w_shard)", "linear(x_shard, w_shard, bias)").replace(
+        "    return y + bias", "    return y")
+    status, out = grade("row_parallel_linear", buggy, capsys)
+    assert status == ex.BUGGY and "🐞 row_parallel_linear" in out and "the bias was counted 2 times" in out, out
+    assert grade("row_parallel_linear", solution("row_parallel_linear"), capsys)[0] == ex.SOLVED
+    template = "def f_backward(grad):\n    raise NotImplementedError\n\n\ndef g_backward(grad):\n    raise NotImplementedError\n"
+    assert grade("g_backward", template, capsys)[0] == ex.UNSOLVED
+
 
 @pytest.mark.multiprocess
 def test_without_a_pool_a_check_runs_through_a_launch(capsys):

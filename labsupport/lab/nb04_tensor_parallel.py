@@ -1,0 +1,409 @@
+"""Notebook 04's exercises: one linear layer split by columns and by rows (in one process), the
+Megatron MLP's forward on real ranks (one all-reduce, the bias once), the backward of the
+conjugate operators f and g, and a find-the-bug lab (the row-parallel bias added before the
+all-reduce, so the output carries it T times).
+
+The one-process checks compare with `torch.nn.functional.linear` on the whole matrix. The checks
+on ranks build the dense layer on every rank from the same seed, hand each rank its slices, and
+compare with the dense result there; they also count the collectives (labsupport.comm), since a
+right value bought with a needless all-reduce is a lesson too.
+"""
+from __future__ import annotations
+
+from . import on_ranks
+from .exercise import Exercise, Unsolved, Wrong, attempt, register
+
+RANKS = 2
+HANG = "Every rank must make the same collective calls, on tensors of the same shapes"
+CASES = ((4, 6, 8, 2), (3, 8, 12, 4), (2, 5, 6, 3))   # (tokens, in features, out features, T)
+
+
+def _linear_case(tokens, d_in, d_out, seed):
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d_in, generator=gen)
+    w = torch.randn(d_out, d_in, generator=gen)
+    b = torch.randn(d_out, generator=gen)
+    return x, w, b
+
+
+def _shape(t) -> str:
+    return "(" + ", ".join(str(d) for d in t.shape) + ")"
+
+
+def _try(name, fn, x, w, b, world, advice):
+    """The attendee's function on one case; an exception becomes feedback naming the shapes."""
+    try:
+        return attempt(fn, x, w, b, world)
+    except (Wrong, Unsolved):
+        raise
+    except Exception as e:
+        raise Wrong(f"{name}(x {_shape(x)}, weight {_shape(w)}, bias {_shape(b)}, {world}) raised "
+                    f"{type(e).__name__}: {e}. {advice}") from None
+
+
+# ---------------------------------------------------------------- one process: split by columns
+
+def grade_column_parallel(fn, source) -> str:
+    import torch
+    import torch.nn.functional as F
+    for seed, (tokens, d_in, d_out, world) in enumerate(CASES):
+        x, w, b = _linear_case(tokens, d_in, d_out, seed)
+        want = F.linear(x, w, b)
+        got = _try("column_parallel_forward", fn, x, w, b, world,
+                   "A torch Linear's weight is (out, in): A's columns are weight's rows, so cut weight along dim 0")
+        if not isinstance(got, (list, tuple)) or len(got) != world:
+            raise Wrong(f"column_parallel_forward(x, weight, bias, {world}) should return a list of {world} outputs, "
+                        f"one per rank; it returned {type(got).__name__}"
+                        + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
+        wanted = want.chunk(world, dim=-1)
+        for i, (y, y_want) in enumerate(zip(got, wanted)):
+            if not isinstance(y, torch.Tensor):
+                raise Wrong(f"rank {i}'s output is a {type(y).__name__}, not a tensor")
+            if y.shape != y_want.shape:
+                hint = ""
+                if y.shape == want.shape:
+                    hint = (": that is the whole output. Rank i computes only its own out/T columns of Y, from "
+                            "its own rows of weight")
+                else:
+                    hint = (". A torch Linear's weight is (out, in): the columns of A = weight.T are the rows of "
+                            "weight, so cut weight along dim 0")
+                raise Wrong(f"with x {_shape(x)}, weight {_shape(w)} and T = {world}, rank {i}'s output has shape "
+                            f"{_shape(y)}, expected {_shape(y_want)}{hint}")
+            if not torch.allclose(y, y_want, atol=1e-5):
+                no_bias = F.linear(x, w, None).chunk(world, dim=-1)[i]
+                if torch.allclose(y, no_bias, atol=1e-5):
+                    raise Wrong(f"rank {i}'s output lacks the bias: each rank adds its own slice of the bias, "
+                                "bias.chunk(T)[i]")
+                if torch.allclose(y, no_bias + b[:y.shape[-1]], atol=1e-5) and i > 0:
+                    raise Wrong(f"rank {i} added the first slice of the bias; it needs its own, bias.chunk(T)[{i}]")
+                raise Wrong(f"with T = {world}, rank {i}'s output differs from columns "
+                            f"{i * y_want.shape[-1]}..{(i + 1) * y_want.shape[-1] - 1} of F.linear(x, weight, bias) "
+                            f"by up to {(y - y_want).abs().max().item():.3g}")
+    return (f"{len(CASES)} layers split over T = 2, 4 and 3 ranks: each rank's columns equal the dense layer's, "
+            "and no rank needed another's data")
+
+
+register(Exercise(
+    name="column_parallel_forward", notebook="04", title="A linear layer split by columns, in one process",
+    grade=grade_column_parallel,
+    hints=("torch stores a Linear's weight as (out, in): Y = x @ weight.T + bias. The columns of Y come from the "
+           "rows of weight.",
+           "weight.chunk(world, dim=0)[i] and bias.chunk(world)[i] are rank i's pieces; "
+           "torch.nn.functional.linear(x, w_i, b_i) is its output."),
+    solution='''
+import torch
+
+
+def column_parallel_forward(x, weight, bias, world):
+    w_parts = weight.chunk(world, dim=0)           # A's columns are weight's rows
+    b_parts = bias.chunk(world)
+    return [torch.nn.functional.linear(x, w_parts[i], b_parts[i]) for i in range(world)]
+'''))
+
+
+# ---------------------------------------------------------------- one process: split by rows
+
+def grade_row_parallel(fn, source) -> str:
+    import torch
+    import torch.nn.functional as F
+    for seed, (tokens, d_in, d_out, world) in enumerate(CASES):
+        if d_in % world:
+            d_in = world * (d_in // world + 1)
+        x, w, b = _linear_case(tokens, d_in, d_out, 10 + seed)
+        want = F.linear(x, w, b)
+        partial_want = [F.linear(xi, wi) for xi, wi in zip(x.chunk(world, dim=-1), w.chunk(world, dim=1))]
+        got = _try("row_parallel_forward", fn, x, w, b, world,
+                   "Rank i's inputs are a slice of x's last dimension; the weight's matching piece is the same "
+                   "slice of its dim 1 (a torch Linear's weight is (out, in))")
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (list, tuple))):
+            raise Wrong("row_parallel_forward should return (partials, y): the list of the ranks' partial outputs "
+                        "and their sum with the bias")
+        partials, y = got
+        if len(partials) != world:
+            raise Wrong(f"with T = {world} there are {world} partial outputs, one per rank; got {len(partials)}")
+        for i, (p, p_want) in enumerate(zip(partials, partial_want)):
+            if p.shape != p_want.shape:
+                hint = ""
+                if p.shape[-1] != d_out:
+                    hint = (": a row-parallel rank produces all out features, as a partial sum. Cut weight along "
+                            "dim 1 (its inputs) and x along its last dimension, the same way")
+                raise Wrong(f"rank {i}'s partial output has shape {_shape(p)}, expected {_shape(p_want)}{hint}")
+            if not torch.allclose(p, p_want, atol=1e-5):
+                if torch.allclose(p, p_want + b, atol=1e-5):
+                    raise Wrong(f"rank {i}'s partial output includes the bias. Every rank would add it, and the sum "
+                                f"would hold it {world} times: leave it out of the partials and add it once, after "
+                                "the sum")
+                raise Wrong(f"with T = {world}, rank {i}'s partial output differs from x_i @ weight_i.T (its "
+                            f"inputs {i * (d_in // world)}..{(i + 1) * (d_in // world) - 1}) by up to "
+                            f"{(p - p_want).abs().max().item():.3g}")
+        if not torch.allclose(y, want, atol=1e-4):
+            if torch.allclose(y, want + (world - 1) * b, atol=1e-4):
+                raise Wrong(f"y holds the bias {world} times: add it once, after the sum")
+            if torch.allclose(y, want - b, atol=1e-4):
+                raise Wrong("y is the sum of the partials without the bias: add the bias once, after the sum")
+            raise Wrong(f"with T = {world}, y differs from F.linear(x, weight, bias) by up to "
+                        f"{(y - want).abs().max().item():.3g}: it is the sum of all the partials, plus the bias once")
+    return (f"{len(CASES)} layers split over T = 2, 4 and 3 ranks: every partial output has the full width, and "
+            "their sum plus one bias is the dense layer")
+
+
+register(Exercise(
+    name="row_parallel_forward", notebook="04", title="A linear layer split by rows, in one process",
+    grade=grade_row_parallel,
+    hints=("Rank i holds inputs [i in/T, (i+1) in/T): its slice of x's last dimension and the same slice of "
+           "weight's dim 1.",
+           "Each rank's x_i @ weight_i.T is a partial sum of full width; y = sum of them + bias (once: in a real "
+           "run the sum is the all-reduce, and a bias added on every rank would be summed T times)."),
+    solution='''
+import torch
+
+
+def row_parallel_forward(x, weight, bias, world):
+    x_parts = x.chunk(world, dim=-1)               # rank i's inputs ...
+    w_parts = weight.chunk(world, dim=1)           # ... and the weight's matching columns (A's rows)
+    partials = [torch.nn.functional.linear(x_parts[i], w_parts[i]) for i in range(world)]
+    y = sum(partials) + bias                       # the all-reduce, then the bias once
+    return partials, y
+'''))
+
+
+# ---------------------------------------------------------------- on ranks: the Megatron MLP's forward
+
+def _mlp_case(hidden=8, tokens=6):
+    """The same dense MLP and input on every rank (seeded), and this rank's slices of it."""
+    import torch
+
+    from .. import comm
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w1, b1 = torch.randn(4 * hidden, hidden, generator=gen), torch.randn(4 * hidden, generator=gen)
+    w2, b2 = torch.randn(hidden, 4 * hidden, generator=gen) / 4, torch.randn(hidden, generator=gen)
+    world, rank = comm.get_world_size(), comm.get_rank()
+    mine = dict(w1=w1.chunk(world, 0)[rank].clone(), b1=b1.chunk(world)[rank].clone(),
+                w2=w2.chunk(world, 1)[rank].clone(), b2=b2.clone())
+    return x, (w1, b1, w2, b2), mine
+
+
+def _dense_mlp(x, w1, b1, w2, b2, bias=True):
+    import torch.nn.functional as F
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2 if bias else None)
+
+
+def check_tp_mlp(tp_mlp_forward) -> dict:
+    import torch
+
+    from .. import comm
+    x, dense, mine = _mlp_case()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    before = comm.counts()
+    out = on_ranks.on_rank(tp_mlp_forward, x.clone(), mine["w1"], mine["b1"], mine["w2"], mine["b2"])
+    after = comm.counts()
+    calls = {op: after.get(op, {}).get("calls", 0) - before.get(op, {}).get("calls", 0) for op in after}
+    calls = {op: n for op, n in calls.items() if n}
+    if out["status"] != "ok":
+        return out
+    y, want = out["value"], _dense_mlp(x, *dense)
+    if not isinstance(y, torch.Tensor) or y.shape != want.shape:
+        got = _shape(y) if isinstance(y, torch.Tensor) else type(y).__name__
+        return {"status": "wrong", "message": f"on rank {rank} the MLP's output is {got}, expected the full "
+                                              f"{_shape(want)} on every rank (the all-reduce gives every rank all of it)"}
+    if not torch.allclose(y, want, atol=1e-4):
+        b2 = dense[3]
+        if torch.allclose(y, want + (world - 1) * b2, atol=1e-4):
+            why = (f"it holds the second bias {world} times: every rank added it before the all-reduce. Add it "
+                   "after, once")
+        elif torch.allclose(y, want - b2, atol=1e-4):
+            why = "the second bias is missing: add it once, after the all-reduce"
+        elif torch.allclose(y, (want - b2) / world + b2, atol=1e-4) or torch.allclose(y, want / world, atol=1e-4):
+            why = "it is the average of the partial sums, not their sum: all-reduce with 'sum'"
+        elif not calls.get("all_reduce"):
+            why = "it is this rank's partial sum only: all-reduce the row-parallel outputs (comm.all_reduce)"
+        else:
+            why = f"it differs by up to {(y - want).abs().max().item():.3g}"
+        return {"status": "wrong", "message": f"on rank {rank} the MLP's output is not the dense MLP's: {why}"}
+    if calls != {"all_reduce": 1}:
+        listed = ", ".join(f"{op} x{n}" for op, n in calls.items()) or "none"
+        return {"status": "wrong", "message": f"the output is right, but rank {rank} made these collectives: "
+                                              f"{listed}. Megatron's MLP needs one all-reduce: the column-parallel "
+                                              "half and GELU work on this rank's hidden units alone"}
+    return {"status": "ok"}
+
+
+def grade_tp_mlp(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_tp_mlp(tp_mlp_forward)", RANKS,
+                          f"on {RANKS} ranks every rank holds the dense MLP's output, after exactly one all-reduce",
+                          HANG, timeout=30)
+
+
+register(Exercise(
+    name="tp_mlp_forward", notebook="04", ranks=RANKS, title="Megatron's MLP forward on real ranks",
+    grade=grade_tp_mlp,
+    hints=("fc is column-parallel: h = gelu(F.linear(x, w1, b1)) is this rank's 4h/T hidden units, no "
+           "communication needed. proj is row-parallel: F.linear(h, w2) is a partial sum of the full output.",
+           "comm.all_reduce(partial, 'sum') adds the ranks' partial sums in place; then add b2, once."),
+    solution='''
+def tp_mlp_forward(x, w1, b1, w2, b2):
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1))   # my 4h/T units: no communication
+    y = torch.nn.functional.linear(h, w2)           # my partial sum of the full output
+    comm.all_reduce(y, "sum")                       # g: every rank now holds the sum
+    return y + b2                                   # the bias once, after the sum
+'''))
+
+
+# ---------------------------------------------------------------- on ranks: the backward of f and g
+
+def check_g_backward(f_backward, g_backward) -> dict:
+    """Y = g(gelu(f(x) W1_i^T) W2_i^T) with the attendee's backwards: x's and the weights' gradients
+    must be the dense model's (each rank its slice), with one all-reduce in backward."""
+    import torch
+
+    from .. import comm
+
+    class F_(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return f_backward(grad.clone())
+
+    class G_(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x = x.clone()
+            comm.all_reduce(x, "sum")
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return g_backward(grad.clone())
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    x0, dense, mine = _mlp_case()
+    weights = [torch.nn.Parameter(t) for t in (mine["w1"], mine["b1"], mine["w2"], mine["b2"])]
+    x = x0.clone().requires_grad_()
+    w1, b1, w2, b2 = weights
+    y = G_.apply(torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(F_.apply(x), w1, b1)),
+                                            w2)) + b2
+    target = torch.linspace(-1, 1, y.numel()).view_as(y)
+    before = comm.counts().get("all_reduce", {}).get("calls", 0)
+    out = on_ranks.on_rank(lambda: (y * target).sum().backward())
+    extra = comm.counts().get("all_reduce", {}).get("calls", 0) - before
+    if out["status"] != "ok":
+        return out
+    # the dense reference, and the slices this rank must hold
+    xd = x0.clone().requires_grad_()
+    wd = [torch.nn.Parameter(t.clone()) for t in dense]
+    (_dense_mlp(xd, *wd) * target).sum().backward()
+    ratio = (x.grad.norm() / xd.grad.norm()).item()
+    theirs = torch.tensor([ratio])
+    ratios = torch.zeros(world)
+    comm.all_gather_into_tensor(ratios, theirs)
+    want_w1 = wd[0].grad.chunk(world, 0)[rank]
+    w_ratio = (w1.grad.norm() / want_w1.norm()).item()
+    if not torch.allclose(x.grad, xd.grad, atol=1e-4):
+        listed = ", ".join(f"{r:.3g}" for r in ratios.tolist())
+        if abs(w_ratio - world) < 1e-3:
+            why = (f"and the weights' gradients are {world}x too: g's backward summed a gradient that every rank "
+                   "already holds whole. g's backward is the identity")
+        elif abs(w_ratio - 1 / world) < 1e-3:
+            why = ("and the weights' gradients are 1/T of the dense ones: g's output gradient is already the "
+                   "whole one on every rank; leave it as it is")
+        elif extra == 0:
+            why = ("each rank holds only its own heads'/units' contribution to x's gradient: f's backward must sum "
+                   "them over the ranks (an all-reduce)")
+        elif not torch.allclose(w1.grad, want_w1, atol=1e-4):
+            why = f"and the weights' gradients are {w_ratio:.3g}x the dense ones"
+        else:
+            why = ("the weights' gradients are right, so the trouble is in f's backward: the ranks' contributions "
+                   "to x's gradient must be summed, not averaged")
+        return {"status": "wrong", "message": f"the forward is right, but x's gradient is {listed} (rank 0, 1, ...) "
+                                              f"times the dense one in norm: {why}"}
+    for name, p, want in (("W1", w1, want_w1), ("W2", w2, wd[2].grad.chunk(world, 1)[rank]), ("b2", b2, wd[3].grad)):
+        if not torch.allclose(p.grad, want, atol=1e-4):
+            return {"status": "wrong", "message": f"x's gradient is right, but on rank {rank} {name}'s gradient is "
+                                                  f"{(p.grad.norm() / want.norm()).item():.3g}x the dense one's "
+                                                  "(its slice) in norm"}
+    if extra != 1:
+        return {"status": "wrong", "message": f"the gradients are right, but backward made {extra} all-reduces on "
+                                              f"rank {rank}; one is enough: f's (g's output gradient is already the "
+                                              "same on every rank, so reducing it again is wasted traffic)"}
+    return {"status": "ok"}
+
+
+def grade_g_backward(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_g_backward(f_backward, g_backward)", RANKS,
+                          "x's and every weight's gradient equal the dense MLP's on both ranks, with one all-reduce "
+                          "in backward (f's)", HANG, timeout=30)
+
+
+register(Exercise(
+    name="g_backward", notebook="04", ranks=RANKS, title="The backward of the conjugate operators f and g",
+    grade=grade_g_backward,
+    hints=("g's forward turned partial sums into the same full output on every rank. What does each rank's "
+           "output gradient look like, then: partial, or already whole?",
+           "f's forward handed the same x to every rank, and each rank used it for its own units: x's gradient is "
+           "the sum of the ranks' contributions. So f's backward all-reduces, g's does nothing."),
+    solution='''
+def f_backward(grad):
+    comm.all_reduce(grad, "sum")    # each rank used x for its own units: sum their contributions
+    return grad
+
+
+def g_backward(grad):
+    return grad                     # the output gradient is already whole, the same on every rank
+'''))
+
+
+# ---------------------------------------------------------------- find the bug: the bias before the all-reduce
+
+def check_row_parallel_linear(row_parallel_linear) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from .. import comm
+    rank, world = comm.get_rank(), comm.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen) + 2
+    out = on_ranks.on_rank(row_parallel_linear, x.chunk(world, -1)[rank].clone(), w.chunk(world, 1)[rank].clone(),
+                           b.clone())
+    if out["status"] != "ok":
+        return out
+    y, want = out["value"], F.linear(x, w, b)
+    if not isinstance(y, torch.Tensor) or y.shape != want.shape:
+        return {"status": "wrong", "message": f"on rank {rank} the output is not a {_shape(want)} tensor"}
+    if not torch.allclose(y, want, atol=1e-4):
+        offset = (y - want).mean(0)
+        if torch.allclose(offset, (world - 1) * b, atol=1e-4):
+            return {"status": "wrong", "message": f"on rank {rank} every output row is the dense layer's plus "
+                                                  f"{world - 1} x the bias (mean offset {offset.mean().item():.3g}, "
+                                                  f"bias mean {b.mean().item():.3g}): the bias was counted {world} "
+                                                  "times"}
+        return {"status": "wrong", "message": f"on rank {rank} the output differs from the dense layer by up to "
+                                              f"{(y - want).abs().max().item():.3g}"}
+    return {"status": "ok"}
+
+
+def grade_row_parallel_linear(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_row_parallel_linear(row_parallel_linear)", RANKS,
+                          "the output equals the dense layer's on both ranks: the bias is added once, after the sum",
+                          HANG, timeout=30)
+
+
+register(Exercise(
+    name="row_parallel_linear", notebook="04", ranks=RANKS, bug_lab=True,
+    title="Find the bug: a row-parallel layer whose bias counts T times",
+    grade=grade_row_parallel_linear,
+    hints=("Compare the output with the dense layer's row by row: by how much does it differ, and does that "
+           "depend on the input?",
+           "F.linear(x, w, bias) on every rank puts the bias into every partial sum; the all-reduce then adds T "
+           "copies. Multiply without the bias, all-reduce, then add it."),
+    solution='''
+def row_parallel_linear(x_shard, w_shard, bias):
+    y = torch.nn.functional.linear(x_shard, w_shard)   # my partial sum, without the bias
+    comm.all_reduce(y, "sum")                          # g
+    return y + bias                                    # once, after the sum
+'''))
+
