@@ -48,8 +48,9 @@ SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 # ====================================================================== splitting and joining along a dimension
 
 def _shard(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """This rank's contiguous 1/T of `t` along `dim` (a copy)."""
-    return t.chunk(comm.get_world_size(group), dim=dim)[comm.get_rank(group)].contiguous()
+    """This rank's contiguous 1/T of `t` along `dim`, a copy: a view (which `contiguous()` returns
+    for a cut along dim 0) would keep the whole dense tensor alive behind the shard."""
+    return t.chunk(comm.get_world_size(group), dim=dim)[comm.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
