@@ -26,15 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from .ddp import first_rank
-from .strategy import Strategy
+from .torch_dtensor import LocalShardStrategy, local
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a plain tensor is already whole)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class TorchFSDP(Strategy):
+class TorchFSDP(LocalShardStrategy):  # a checkpoint holds this rank's rows of each tensor
     name = "torch-fsdp"
 
     def parallelize(self, model):
@@ -63,15 +58,6 @@ class TorchFSDP(Strategy):
         out = model(idx)
         model.reshard()
         return out
-
-    def model_state(self, model) -> dict:
-        """This rank's rows of each tensor (a checkpoint resumes on the same DP size only)."""
-        return {k: local(v).clone() for k, v in model.state_dict().items()}
-
-    @torch.no_grad()
-    def load_model_state(self, model, state: dict) -> None:
-        for k, v in model.state_dict().items():
-            local(v).copy_(state[k])
 
     def optimizer_state(self, optimizer) -> dict:
         """AdamW's state with each moment as this rank's plain shard (a file any process can load)."""

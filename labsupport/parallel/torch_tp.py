@@ -31,11 +31,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from .. import comm
-from .strategy import Strategy, clip_grad_norm_
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from .strategy import clip_grad_norm_
+from .torch_dtensor import LocalShardStrategy, local
 
 
 def plan(model, sequence_parallel: bool) -> dict:
@@ -58,7 +55,7 @@ def plan(model, sequence_parallel: bool) -> dict:
     return out
 
 
-class TorchTP(Strategy):
+class TorchTP(LocalShardStrategy):
     name = "torch-tp"
 
     def parallelize(self, model):
@@ -101,11 +98,3 @@ class TorchTP(Strategy):
         t, pad = idx.shape[1], -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
         out = model(torch.nn.functional.pad(idx, (0, pad)))
         return out.full_tensor()[:, :t]
-
-    def model_state(self, model) -> dict:
-        return {k: local(v).clone() for k, v in model.state_dict().items()}
-
-    @torch.no_grad()
-    def load_model_state(self, model, state: dict) -> None:
-        for k, v in model.state_dict().items():
-            local(v).copy_(state[k])
