@@ -8,16 +8,20 @@ finished all-reduce needs the GIL and the process aborts (SIGABRT, "terminate ca
 active exception") after all the work succeeded. The abort is a race; "the group is freed" is not.
 """
 import io
+import json
 import os
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from labsupport import runtime
 from labsupport.launch import free_port, launch
+
+NOTEBOOK_02 = Path(__file__).resolve().parent.parent / "notebooks" / "02_data_parallel.ipynb"
 
 FREED = """
 import os, weakref
@@ -133,3 +137,18 @@ def test_repeated_runs_never_abort_at_exit(tmp_path):
                 what = "SIGABRT" if code == -6 else f"exit code {code}"
                 failures.append(f"run {run} rank {rank}: {what}\n" + "\n".join(out.splitlines()[-5:]))
     assert not failures, f"{len(failures)} rank(s) failed in {runs} runs:\n" + "\n".join(failures)
+
+
+@pytest.mark.multiprocess
+def test_the_plain_ddp_script_of_notebook_02_frees_its_group(tmp_path):
+    """The script attendees copy to a cluster: nothing holds the group when it is destroyed."""
+    cell = next(c for c in json.loads(NOTEBOOK_02.read_text())["cells"]
+                if "".join(c["source"]).startswith('SCRIPT = """'))
+    script = "".join(cell["source"]).split('"""')[1]
+    destroy = "    dist.destroy_process_group()\n"
+    assert script.count(destroy) == 1
+    script = script.replace(destroy, "    import weakref\n    world = weakref.ref(dist.group.WORLD)\n" + destroy
+                            + "    assert world() is None, 'the group outlives destroy_process_group()'\n")
+    (tmp_path / "train_ddp.py").write_text(script)
+    for rank, (code, out) in enumerate(_run_pair(tmp_path / "train_ddp.py", tmp_path)):
+        assert code == 0, f"rank {rank}:\n{out[-1500:]}"
