@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
     b.add_argument("--repeats", type=int, default=None,
                    help="timed repetitions per variant (launch: rounds of one fresh launch and 7 pool cells)")
-    b.add_argument("--model", default="micro", help="ddp: the CPU preset trained")
-    b.add_argument("--global-batch", type=int, default=16, help="ddp: sequences per step")
-    b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of bucketed and torch DDP")
+    b.add_argument("--model", default="micro", help="ddp, zero, tp: the CPU preset trained")
+    b.add_argument("--global-batch", type=int, default=16, help="ddp, zero, tp: sequences per step")
+    b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp, zero: bucket size of ours and torch's")
     b.add_argument("--bucket-sweep", default=None, help="ddp: extra bucket sizes for ours, e.g. 0.25,1,4")
 
     m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")

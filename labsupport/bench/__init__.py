@@ -2,8 +2,8 @@
 
 Each benchmark is a module here that runs on the ranks (`python -m labsupport.bench.NAME`
 under the launcher) and reports raw timings from rank 0; `summarize()` in the same module
-turns them into rows and the headline ratio. Ours and the reference alternate inside one
-loop, so drift of the machine (other processes, frequency scaling) hits both alike. A benchmark
+turns them into rows and the headline ratio. Those that compare training strategies race
+their steps with race.py. Ours and the reference alternate inside one loop, so drift of the machine (other processes, frequency scaling) hits both alike. A benchmark
 of starting ranks (`launch`) starts them itself: it has `run_here()`, called in this process.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-BENCHMARKS = ("collectives", "ddp", "zero", "launch")
+BENCHMARKS = ("collectives", "ddp", "zero", "tp", "launch")
 
 
 def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:
@@ -30,15 +30,17 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
-def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb: float, repeats: int) -> None:
-    """What every benchmark that races training steps of two strategies asks of its arguments."""
+def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb: float, repeats: int,
+                dp: int) -> None:
+    """What every benchmark that races training steps (race.py) asks of its arguments; `dp` is the
+    data-parallel degree its configurations split the global batch over."""
     from ..model import get_preset
     if nproc < 2:
         raise ValueError(f"bench {name} needs --nproc 2 or more")
     if get_preset(model).vocab is not None:
         raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
-    if global_batch % nproc:
-        raise ValueError(f"--global-batch {global_batch} must be divisible by --nproc {nproc}")
+    if global_batch % dp:
+        raise ValueError(f"--global-batch {global_batch} must be divisible by the {dp} data-parallel ranks")
     if bucket_mb <= 0 or repeats < 1:
         raise ValueError("--bucket-mb must be > 0 and --repeats >= 1")
 
