@@ -103,12 +103,16 @@ BUGS = {
         [("y = F.linear(x, self.weight)\n", "y = F.linear(x, self.weight, self.bias)\n"),
          ("return y if self.bias is None else y + self.bias", "return y")], "-", "logits differs"),
     "f and g swapped": (
-        [("x = copy_to_tensor_parallel_region(x, self.group)", "x = reduce_from_tensor_parallel_region(x, self.group)"),
+        [("F.linear(copy_to_tensor_parallel_region(x, self.group)", "F.linear(reduce_from_tensor_parallel_region(x, self.group)"),
          ("y = reduce_from_tensor_parallel_region(y, self.group)", "y = copy_to_tensor_parallel_region(y, self.group)")],
         "-", "logits differs"),
     "sequence parallelism without summing the LayerNorms' partial gradients": (
         [("params = [p for p in sequence_parallel_parameters(model) if p.grad is not None]", "params = []")],
         "sp", "grad of blocks.0.ln1.weight"),
+    "sequence parallelism's column-parallel backward keeping all positions' input gradients": (
+        [("grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group)",
+          "grad_x = _shard(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group)")],
+        "sp", "grad of"),
 }
 
 

@@ -25,13 +25,15 @@ def test_a_layer_needs_two_all_reduces_forward_and_two_backward():
 def test_sequence_parallelism_trades_each_all_reduce_for_a_pair_of_the_same_volume(tp):
     """Korthikanti et al. 2022, Sec. 4.2.2: four all-gathers and four reduce-scatters instead of four
     all-reduces; a ring all-reduce is a reduce-scatter followed by an all-gather, so the bandwidth
-    is the same."""
+    is the same. Backward all-gathers the two column-parallel inputs once more (stored s/T, as
+    Table 2 assumes): that, and only that, is on top."""
     b, s, h = 1, 2048, 12288
     plain, sp = layer_comm(b * s, h), layer_comm(b * s, h, sequence_parallel=True)
     calls = {op: sum(sp[phase].get(op, (0, 0))[0] for phase in sp) for op in ("all_gather", "reduce_scatter")}
-    assert calls == {"all_gather": 4, "reduce_scatter": 4}
-    for phase in ("forward", "backward"):
-        assert wire(sp[phase], tp) == pytest.approx(wire(plain[phase], tp))
+    assert calls == {"all_gather": 4 + 2, "reduce_scatter": 4}
+    regather = {"all_gather": (2, 2 * b * s * h * 2)}
+    assert wire(sp["forward"], tp) == pytest.approx(wire(plain["forward"], tp))
+    assert wire(sp["backward"], tp) == pytest.approx(wire(plain["backward"], tp) + wire(regather, tp))
 
 
 def test_the_loss_never_moves_the_logits():

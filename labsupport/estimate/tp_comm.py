@@ -9,7 +9,9 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Sec. 4.2.2): with sequence parallelism each g becomes a reduce-scatter in forward (an all-gather
 in backward) and each f an all-gather in forward (a reduce-scatter in backward): four all-gathers
 and four reduce-scatters per layer, of the same b x s x h buffer. A ring all-reduce is a
-reduce-scatter followed by an all-gather, so the bytes on the wire are the same.
+reduce-scatter followed by an all-gather, so the bytes on the wire are the same. To store only
+s/T positions of a column-parallel layer's input (what Table 2's 34 s b h / t assumes), the
+input is all-gathered again in backward, as Megatron-LM does: two more all-gathers per layer.
 
 Around the layers (labsupport.parallel.tensor's TinyGPT): the vocab-parallel embedding sums its
 rows with one all-reduce in forward (and, under sequence parallelism, the scatter into the
@@ -38,7 +40,8 @@ def layer_comm(tokens: int, hidden: int, sequence_parallel: bool = False, bytes_
     size = tokens * hidden * bytes_per_element
     if sequence_parallel:
         return {"forward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)},
-                "backward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)}}
+                "backward": {"all_gather": (2 + 2, (2 + 2) * size),  # g's backward, then the inputs again
+                             "reduce_scatter": (2, 2 * size)}}
     return {"forward": {"all_reduce": (2, 2 * size)}, "backward": {"all_reduce": (2, 2 * size)}}
 
 
@@ -66,7 +69,8 @@ def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, micro
         add("forward", "all_reduce", 2, 3 * tokens * LOSS_BYTES)    # the loss: max, then target logit + denominator
         if sequence_parallel:
             add("backward", "all_gather", 1, size)                   # the scatter after the embedding
-            add("forward", "all_gather", 1, size)                    # the LM head's input
+            add("forward", "all_gather", 1, size)                    # the LM head's input,
+            add("backward", "all_gather", 1, size)                   # again in backward
             add("backward", "reduce_scatter", 1, size)
         else:
             add("backward", "all_reduce", 1, size)                   # the LM head's f

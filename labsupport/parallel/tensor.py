@@ -21,8 +21,10 @@ Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputatio
 Transformer Models", Sec. 4.2.2): between the parallel regions, LayerNorm and dropout are
 replicated on every rank; instead each rank keeps s/T of the positions there. g becomes a
 reduce-scatter along the sequence (`reduce_scatter_to_sequence_parallel_region`) and f an
-all-gather (`gather_from_sequence_parallel_region`). A ring all-reduce *is* a reduce-scatter
-then an all-gather, so the traffic is the same and the activations there are divided by T.
+all-gather, inside the column-parallel linear (`_SequenceParallelLinear`), which gathers again in
+backward rather than keep the whole sequence. A ring all-reduce *is* a reduce-scatter then an
+all-gather, so the traffic is the same (plus that second all-gather) and the activations there
+are divided by T.
 Each rank's LayerNorm (and row-parallel bias) then sees only its positions: their gradients
 are partial sums that must be all-reduced over the group (`allreduce_sequence_parallel_gradients`).
 
@@ -103,19 +105,6 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """f under sequence parallelism: all-gather the positions; backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
-
-
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """g under sequence parallelism: sum the partial outputs, keep this rank's positions;
     backward all-gathers."""
@@ -144,16 +133,35 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.group), None
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """The column-parallel linear under sequence parallelism: all-gather the positions (f), then
+    multiply. Backward needs the gathered input for the weight's gradient; keeping it would store
+    s positions where sequence parallelism promises s/T (Korthikanti et al. 2022, Table 2, counts
+    the LayerNorm output once, sharded). So only this rank's positions are saved and the input is
+    all-gathered again in backward, as Megatron-LM does: one more all-gather for 1/T the memory."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(_all_gather(x, SEQ_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gathered = _all_gather(x, SEQ_DIM, ctx.group).to(grad.dtype)  # under autocast, grad is bf16
+        grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group).to(x.dtype)
+        grad_weight = (grad.flatten(0, -2).t() @ gathered.flatten(0, -2)).to(weight.dtype)
+        grad_bias = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 def copy_to_tensor_parallel_region(x, group=None):
     return _CopyToTensorParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x, group=None):
     return _ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x, group=None):
-    return _GatherFromSequenceParallelRegion.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
@@ -169,7 +177,7 @@ def scatter_to_sequence_parallel_region(x, group=None):
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A = [A_1 ... A_T] cut by output columns: rank i keeps A_i (rows of the torch
     weight) and its slice of the bias, and computes Y_i. Its input enters through f (or, under
-    sequence parallelism, the all-gather of the positions)."""
+    sequence parallelism, the all-gather of the positions, done again in backward)."""
 
     def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
         super().__init__()
@@ -179,10 +187,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
