@@ -1,4 +1,4 @@
-"""`labsupport` on the command line: doctor, launch, train, bench, memory, jobscript (more arrive with their notebooks).
+"""`labsupport` on the command line: doctor, launch, train, bench, memory, bubble, jobscript (more arrive with their notebooks).
 
 Contract (DESIGN.md 4): every command takes `--json`, and then the last line on stdout is
 one JSON object while human-readable text goes to stderr. A user mistake is one line on
@@ -145,6 +145,32 @@ def cmd_memory(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- bubble
+
+def cmd_bubble(args) -> int:
+    from .estimate.schedules import schedule
+    from .estimate.simulator import bubble_fraction, bubble_over_ideal, simulate
+    chunks = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    if args.backward_ratio <= 0:
+        raise UsageError(f"--backward-ratio must be positive (got {args.backward_ratio:g})")
+    timeline = simulate(schedule(args.schedule, args.stages, args.microbatches, chunks),
+                        backward_ratio=args.backward_ratio, chunks=chunks)
+    result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
+              "chunks": chunks, "backward_ratio": args.backward_ratio, **timeline.to_json()}
+    lines = [f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches, {chunks} chunk(s) per stage, "
+             f"backward = {args.backward_ratio:g} x forward (one forward = 1 time unit)",
+             f"{'stage':>5} {'busy':>8} {'idle':>8} {'idle/total':>10} {'in flight':>9}"
+             + ("  (chunk forwards, each 1/v of the stage's layers)" if chunks > 1 else "")]
+    for s, (busy, idle, peak) in enumerate(zip(timeline.busy, timeline.idle, result["peak_inflight_microbatches"])):
+        lines.append(f"{s:>5} {busy:>8.3g} {idle:>8.3g} {idle / timeline.total_time:>10.1%} {peak:>9}")
+    lines.append(f"total time {timeline.total_time:.3g}; bubble: idle/total {timeline.bubble_fraction:.1%}, "
+                 f"idle/busy {timeline.bubble_over_ideal:.4g} "
+                 f"(formula (p-1)/(v*m) = {bubble_over_ideal(args.stages, args.microbatches, chunks):.4g}, "
+                 f"(p-1)/(v*m+p-1) = {bubble_fraction(args.stages, args.microbatches, chunks):.1%})")
+    _emit(args, "\n".join(lines), result)
+    return 0
+
+
 # ---------------------------------------------------------------- bench
 
 def cmd_bench(args) -> int:
@@ -242,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pcie-gbps", type=float, default=None,
                    help="with --offload: host link bandwidth in GB/s per direction (default 31.5, PCIe 4.0 x16)")
 
+    from .estimate.schedules import SCHEDULES
+    bu = sub.add_parser("bubble", help="simulate a pipeline schedule: timeline, bubble, micro-batches in flight")
+    bu.add_argument("--stages", type=int, required=True, help="pipeline stages p")
+    bu.add_argument("--microbatches", type=int, required=True, help="micro-batches m per step")
+    bu.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    bu.add_argument("--chunks", type=int, default=None, help="model chunks v per stage (interleaved; default 2)")
+    bu.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time (default 2)")
+
     from .jobscript import add_arguments as jobscript_arguments
     js = sub.add_parser("jobscript", help="write a Slurm or PBS job script: N nodes x G GPUs, one rank per GPU")
     jobscript_arguments(js)
@@ -282,6 +316,8 @@ def main(argv=None) -> int:
             return cmd_memory(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "bubble":
+            return cmd_bubble(args)
         if args.command == "jobscript":
             from .jobscript import run_cli as jobscript_run
             return jobscript_run(args)

@@ -14,6 +14,7 @@ from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_c
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
 from labsupport.widgets.memory import MemoryWidget, verdict
+from labsupport.widgets.pipeline import PipelineWidget
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -150,3 +151,27 @@ def test_notebook_00_runs_and_its_stepper_follows_the_ring(own_lab, request):
             wait_for_text(state, expected[k])
             assert figure.get_attribute("src") != before, f"the picture was not redrawn at step {k}"
         assert step.is_disabled(), "step should be disabled after the last ring step"
+
+
+def test_pipeline_widget_bubble_follows_the_schedule_in_jupyterlab(lab, page, request):
+    """Click from 1F1B to interleaved in the page: the bubble shown drops from (p-1)/(m+p-1) to the
+    interleaved one, exactly the text the same widget gives in Python, and the Gantt chart is redrawn."""
+    write_notebook(lab.root / "pipeline.ipynb",
+                   "from labsupport.widgets.pipeline import PipelineWidget\n"
+                   "w = PipelineWidget('1f1b', stages=4, microbatches=8)\n"
+                   "w.widget")
+    expected = PipelineWidget("1f1b", stages=4, microbatches=8)
+    with artifacts_on_failure(page, request.node.name, lab):
+        run_notebook_in_browser(page, lab, "pipeline.ipynb")
+        widget = page.locator(".labsupport-pipeline")
+        bubble, figure = widget.locator(".labsupport-pipeline-bubble"), widget.locator(".labsupport-pipeline-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        assert "idles 27.3%" in wait_for_text(bubble, expected.text, timeout_s=30)
+        before = figure.get_attribute("src")
+        widget.locator(".labsupport-pipeline-schedule button", has_text="interleaved").click()
+        expected.controls["schedule"].value = "interleaved"
+        assert "idles 15.8%" in wait_for_text(bubble, expected.text)
+        deadline = time.monotonic() + 10  # the picture is a message of its own, after the readout's
+        while figure.get_attribute("src") == before:
+            assert time.monotonic() < deadline, "the Gantt chart was not redrawn for the interleaved schedule"
+            time.sleep(0.1)

@@ -8,6 +8,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   memory   bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
   comm_cost         alpha-beta time of each collective (ring, tree, ...), nccl-tests bus bandwidth
   collective_steps  which chunk each rank sends at each step of each collective (runtime + widget)
+  schedules         pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as action lists (runtime + widget)
+  simulator         times a schedule: Gantt spans, bubble against (p - 1) / (v m), micro-batches in flight
 
 Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
 """

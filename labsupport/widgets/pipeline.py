@@ -1,0 +1,244 @@
+"""Where a pipeline idles: the pipeline-bubble widget and its static figures.
+
+The schedule is `labsupport.estimate.schedules.schedule` (the action lists the executor runs),
+its timing `labsupport.estimate.simulator.simulate`, the formula `simulator.bubble_fraction`;
+this module only chooses the inputs and draws the outputs:
+
+    gantt_figure(timeline, measured=None)   one row per stage: forwards and backwards coloured, later
+                                            chunks lighter, idle time grey; a measured run beside it
+    throughput_figure(schedule, p, m, v)    relative throughput (1 - bubble) against micro-batches
+                                            and against stages: the workshop's two plots
+    PipelineWidget(...)                     controls -> schedule -> simulate -> readout and picture;
+                                            .figure(): the same as a static Figure (show(w, w.figure()))
+
+A measured run is, per stage, a list of (start_s, end_s, op, microbatch, chunk) tuples: what the
+executor in `labsupport.parallel.pipeline` records, and what `Timeline.spans` holds.
+"""
+from __future__ import annotations
+
+import html
+
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch
+
+from ..estimate.schedules import SCHEDULES, check_schedule_args, schedule
+from ..estimate.simulator import Timeline, bubble_fraction, simulate
+from .collectives import NotebookFigure
+from .show import figure_png
+
+COLORS = {"F": "#4C72B0", "B": "#55A868"}   # forward and backward, as in the overlap timeline
+IDLE = "#E6E6E6"
+LABELS = {"F": "forward", "B": "backward", "idle": "idle (the bubble)"}
+MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 16, 64, 4
+
+
+def chunk_color(op: str, chunk: int, chunks: int) -> tuple:
+    """The op's colour, lighter for later chunks (dark: first chunk, as in Narayanan et al.'s Figure 4)."""
+    lighten = 0.55 * chunk / (chunks - 1) if chunks > 1 else 0.0
+    return tuple(c + (1 - c) * lighten for c in to_rgb(COLORS[op]))
+
+
+def _spans(timeline) -> list[list[tuple]]:
+    return timeline.spans if isinstance(timeline, Timeline) else [[tuple(s) for s in stage] for stage in timeline]
+
+
+def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str = "time units") -> None:
+    """One row per stage (stage 0 on top); compute bars on a grey row, so what stays grey is idle.
+
+    Only F and B are drawn; times start at the earliest span of any stage."""
+    stages = len(spans)
+    compute = [[s for s in stage if s[2] in COLORS] for stage in spans]
+    t0 = min((s[0] for stage in compute for s in stage), default=0.0)
+    end = max((s[1] for stage in compute for s in stage), default=1.0) - t0
+    chunks = max((s[4] for stage in compute for s in stage), default=0) + 1
+    bars = max((len(stage) for stage in compute), default=0)
+    for row, stage in enumerate(compute):
+        y = stages - 1 - row
+        ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors=IDLE)
+        groups: dict[tuple, list] = {}
+        for start, stop, op, microbatch, chunk in stage:
+            groups.setdefault((op, chunk), []).append((start - t0, stop - start))
+        for (op, chunk), ranges in groups.items():
+            ax.broken_barh(ranges, (y - 0.4, 0.8), facecolors=chunk_color(op, chunk, chunks),
+                           edgecolors="white", linewidth=0.5 if bars <= 48 else 0)
+        if bars <= 48:  # micro-batch numbers while they still fit in their bars
+            for start, stop, op, microbatch, chunk in stage:
+                ax.text((start + stop) / 2 - t0, y, str(microbatch), ha="center", va="center", fontsize=7,
+                        color="white" if chunk == 0 else "black")
+    ax.set_yticks(range(stages), [f"stage {s}" for s in reversed(range(stages))])
+    ax.set_ylim(-0.6, stages - 0.4)
+    ax.set_xlim(0, end)
+    ax.set_xlabel(unit)
+    if title:
+        ax.set_title(title, fontsize=10, loc="left")
+
+
+def gantt_legend(chunks: int) -> list[Patch]:
+    handles = [Patch(facecolor=COLORS[op], label=LABELS[op] + (", chunk 0" if chunks > 1 else "")) for op in "FB"]
+    if chunks > 1:
+        handles += [Patch(facecolor=chunk_color(op, chunks - 1, chunks),
+                          label=f"{LABELS[op]}, chunk {chunks - 1}") for op in "FB"]
+    return handles + [Patch(facecolor=IDLE, label=LABELS["idle"])]
+
+
+def gantt_figure(timeline, measured=None, title: str | None = None, unit: str = "time (a forward = 1)",
+                 measured_title: str = "measured", measured_unit: str = "seconds"):
+    """A static Figure: the schedule's Gantt chart, and a measured run's beside it when given.
+
+    `timeline` is a `simulate(...)` Timeline or per-stage span lists; `measured` per-stage lists of
+    (start_s, end_s, op, microbatch, chunk) tuples from a real run. Works without ipywidgets.
+    """
+    spans = _spans(timeline)
+    panels = [(spans, title or "predicted (simulator)", unit)]
+    if measured is not None:
+        panels.append((_spans(measured), measured_title, measured_unit))
+    chunks = max((s[4] for p, _, _ in panels for stage in p for s in stage), default=0) + 1
+    fig = NotebookFigure(figsize=(5.2 * len(panels) + 1.6, 1.2 + 0.32 * max(len(p) for p, _, _ in panels)),
+                         layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (panel, panel_title, panel_unit) in zip(axes, panels):
+        draw_gantt(ax, panel, panel_title, panel_unit)
+    fig.legend(handles=gantt_legend(chunks), loc="outside right upper", frameon=False, fontsize=8)
+    return fig
+
+
+def _valid_microbatches(name: str, stages: int, most: int) -> list[int]:
+    step = stages if name == "interleaved" else 1
+    return list(range(step, max(most, step) + 1, step))
+
+
+def draw_throughput(ax_m, ax_p, name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """Relative throughput per stage, 1 - bubble fraction: against micro-batches at these stages, and
+    against stages with the micro-batches fixed or growing with the stages (the workshop's two ways)."""
+    ms = _valid_microbatches(name, stages, max(MAX_MICROBATCHES, microbatches))
+    ax_m.plot(ms, [1 - bubble_fraction(stages, m, chunks) for m in ms], color=COLORS["F"],
+              label=f"{name}, p = {stages}" + (f", v = {chunks}" if chunks > 1 else ""))
+    if chunks > 1:
+        ax_m.plot(ms, [1 - bubble_fraction(stages, m) for m in ms], color="gray", linestyle="--",
+                  label=f"1f1b, p = {stages}")
+    ax_m.plot([microbatches], [1 - bubble_fraction(stages, microbatches, chunks)], "o", color="black")
+    ax_m.set_xlabel("micro-batches m (the global batch grows with m)")
+    ax_m.set_title("more micro-batches: a smaller bubble", fontsize=10, loc="left")
+
+    ps = range(1, max(MAX_STAGES, stages) + 1)
+    ax_p.plot(ps, [1 - bubble_fraction(p, microbatches, chunks) for p in ps], color=COLORS["F"],
+              label=f"m = {microbatches} fixed")
+    if stages > 1:  # m grown in step with p - 1 keeps (p - 1) / (v m) where it is
+        grown = ps[1:]
+        ax_p.plot(grown, [1 - bubble_fraction(p, microbatches * (p - 1) / (stages - 1), chunks) for p in grown],
+                  color=COLORS["B"], label=f"m = {microbatches / (stages - 1):.3g} (p - 1): bubble fixed")
+    ax_p.plot([stages], [1 - bubble_fraction(stages, microbatches, chunks)], "o", color="black")
+    ax_p.set_xlabel("pipeline stages p")
+    ax_p.set_title("more stages: a bigger bubble", fontsize=10, loc="left")
+    for ax in (ax_m, ax_p):
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("relative throughput (1 - bubble)")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=8, loc="lower right")
+
+
+def throughput_figure(name: str = "1f1b", stages: int = 4, microbatches: int = 8, chunks: int = 1):
+    """A static Figure of the two throughput plots (the workshop's for the 22B and 1T models)."""
+    fig = NotebookFigure(figsize=(9.6, 3.2), layout="constrained")
+    draw_throughput(*fig.subplots(1, 2), name, stages, microbatches, chunks)
+    return fig
+
+
+def describe(timeline: Timeline, name: str, stages: int, microbatches: int, chunks: int) -> str:
+    """The bubble in words, with the formula's value beside the simulated one."""
+    v = f" v = {chunks}," if chunks > 1 else ""
+    return (f"{name}, p = {stages},{v} m = {microbatches}: each stage idles {timeline.bubble_fraction:.1%} of the step "
+            f"(formula (p - 1) / (v m + p - 1) = {bubble_fraction(stages, microbatches, chunks):.1%}); "
+            f"idle / busy = {timeline.bubble_over_ideal:.3g} = (p - 1) / (v m). "
+            f"Micro-batches in flight at most, per stage: {', '.join(map(str, timeline.peak_inflight_microbatches))}"
+            + (" (chunk forwards)" if chunks > 1 else "") + ".")
+
+
+class PipelineWidget:
+    """Controls for the schedule, stages, micro-batches, chunks and backward/forward ratio; shows the
+    simulated Gantt chart, the bubble beside its formula, and relative throughput against m and p.
+
+    `PipelineWidget()` in a notebook cell displays it. Its state is inspectable without a browser:
+    set `w.controls["microbatches"].value = 16` and `w.timeline` (simulate's Timeline), `w.text`,
+    `w.bubble.value` and `w.png` follow. `measured=` (per-stage (start_s, end_s, op, microbatch,
+    chunk) lists of a real run) draws that run's Gantt beside the simulated one. A combination the
+    schedule refuses (interleaved with m not a multiple of p) is reported in the widget (`w.error`).
+    CSS classes: labsupport-pipeline, labsupport-pipeline-bubble, labsupport-pipeline-figure, and
+    labsupport-pipeline-<control> on each control.
+    """
+
+    def __init__(self, name: str = "1f1b", stages: int = 4, microbatches: int = 8, chunks: int = 2,
+                 backward_ratio: float = 2.0, measured=None, measured_title: str = "measured"):
+        import ipywidgets as W
+
+        self.measured, self.measured_title = measured, measured_title
+        style = {"description_width": "120px"}
+        c = self.controls = {
+            "schedule": W.ToggleButtons(options=list(SCHEDULES), value=name, description="schedule", style=style),
+            "stages": W.IntSlider(value=stages, min=1, max=MAX_STAGES, description="stages p", style=style),
+            "microbatches": W.IntSlider(value=microbatches, min=1, max=MAX_MICROBATCHES,
+                                        description="micro-batches m", style=style),
+            "chunks": W.IntSlider(value=chunks, min=2, max=MAX_CHUNKS, description="chunks v", style=style),
+            "backward_ratio": W.FloatSlider(value=backward_ratio, min=0.5, max=4.0, step=0.5,
+                                            description="backward / forward", style=style),
+        }
+        for key, control in c.items():
+            control.add_class(f"labsupport-pipeline-{key.replace('_', '-')}")
+        self.bubble = W.HTML().add_class("labsupport-pipeline-bubble")
+        self.image = W.Image(format="png", layout=W.Layout(max_width="960px")).add_class("labsupport-pipeline-figure")
+        self.widget = W.VBox([W.VBox(list(c.values())), self.bubble, self.image]).add_class("labsupport-pipeline")
+        self.timeline: Timeline | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.png = b""
+        for control in c.values():
+            control.observe(lambda _: self.update(), names="value")
+        self.update()
+
+    def options(self) -> dict:
+        """The current settings: name, stages, microbatches, chunks (1 unless interleaved), backward_ratio."""
+        c = self.controls
+        name = c["schedule"].value
+        return dict(name=name, stages=c["stages"].value, microbatches=c["microbatches"].value,
+                    chunks=c["chunks"].value if name == "interleaved" else 1,
+                    backward_ratio=c["backward_ratio"].value)
+
+    def update(self) -> Timeline | None:
+        """Simulate the chosen schedule; refresh readout and picture. Returns the Timeline (None on error)."""
+        o = self.options()
+        self.controls["chunks"].layout.display = None if o["name"] == "interleaved" else "none"
+        try:
+            check_schedule_args(o["name"], o["stages"], o["microbatches"], o["chunks"])
+        except ValueError as e:
+            self.timeline, self.error = None, str(e)
+            self.text = f"Not a valid schedule: {e}"
+            self.bubble.value = f"<span style='color:#b00'>{html.escape(self.text)}</span>"
+            return None
+        self.error = None
+        self.timeline = simulate(schedule(o["name"], o["stages"], o["microbatches"], o["chunks"]),
+                                 backward_ratio=o["backward_ratio"], chunks=o["chunks"])
+        self.text = describe(self.timeline, o["name"], o["stages"], o["microbatches"], o["chunks"])
+        self.bubble.value = f"<div style='max-width:960px'>{html.escape(self.text)}</div>"
+        self.png = figure_png(self.figure())
+        self.image.value = self.png
+        return self.timeline
+
+    def figure(self):
+        """A static Figure of what the widget shows now: the Gantt chart(s) above the two throughput plots."""
+        if self.timeline is None:
+            raise ValueError(f"the widget shows no schedule: {self.error}")
+        o = self.options()
+        panels = [(self.timeline.spans, f"{o['name']}: bubble {self.timeline.bubble_fraction:.1%}",
+                   "time (a forward = 1)")]
+        if self.measured is not None:
+            panels.append((_spans(self.measured), self.measured_title, "seconds"))
+        fig = NotebookFigure(figsize=(9.6, 4.6 + 0.25 * o["stages"]), layout="constrained")
+        top, bottom = fig.subfigures(2, 1, height_ratios=[1.0 + 0.08 * o["stages"], 1.0])
+        for ax, (spans, title, unit) in zip(top.subplots(1, len(panels), squeeze=False)[0], panels):
+            draw_gantt(ax, spans, title, unit)
+        top.legend(handles=gantt_legend(o["chunks"]), loc="outside right upper", frameon=False, fontsize=8)
+        draw_throughput(*bottom.subplots(1, 2), o["name"], o["stages"], o["microbatches"], o["chunks"])
+        return fig
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)

@@ -1,0 +1,109 @@
+"""The pipeline-bubble widget and its figures: every number is the simulator's, no browser needed."""
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+pytest.importorskip("ipywidgets")
+
+from matplotlib.colors import to_rgba  # noqa: E402
+
+from labsupport.estimate.schedules import schedule  # noqa: E402
+from labsupport.estimate.simulator import simulate  # noqa: E402
+from labsupport.widgets import pipeline as wp  # noqa: E402
+from labsupport.widgets.show import figure_png  # noqa: E402
+
+
+def stage_labels(ax):
+    return [t.get_text() for t in ax.get_yticklabels()]
+
+
+def bars_of_color(ax, color):
+    """Total width of the bars drawn in `color` on `ax` (broken_barh collections, one path per bar)."""
+    return sum(float(path.vertices[:, 0].max() - path.vertices[:, 0].min())
+               for c in ax.collections if tuple(c.get_facecolor()[0]) == color for path in c.get_paths())
+
+
+def gantt_figure_axes(timeline, **kwargs):
+    return wp.gantt_figure(timeline, **kwargs).axes
+
+
+def bundle_has_widget(w):
+    return "application/vnd.jupyter.widget-view+json" in w._repr_mimebundle_()
+
+
+def test_widget_follows_its_controls():
+    w = wp.PipelineWidget("1f1b", stages=4, microbatches=8)
+    assert w.timeline.bubble_over_ideal == pytest.approx(3 / 8)
+    assert "27.3%" in w.text and "27.3%" in w.bubble.value and "4, 3, 2, 1" in w.text
+    assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
+    assert w.controls["chunks"].layout.display == "none"
+    first_png = w.png
+
+    w.controls["microbatches"].value = 16
+    assert w.timeline.bubble_over_ideal == pytest.approx(3 / 16) and "15.8%" in w.text
+    assert w.png != first_png
+
+    w.controls["schedule"].value = "interleaved"
+    assert w.controls["chunks"].layout.display is None
+    assert w.options() == dict(name="interleaved", stages=4, microbatches=16, chunks=2, backward_ratio=2.0)
+    assert w.timeline.bubble_over_ideal == pytest.approx(3 / 32)
+    assert w.timeline.spans == simulate(schedule("interleaved", 4, 16, 2), chunks=2).spans
+
+    w.controls["schedule"].value = "gpipe"
+    assert w.timeline.peak_inflight_microbatches == [16] * 4
+
+
+def test_a_schedule_the_simulator_refuses_is_reported_not_raised():
+    w = wp.PipelineWidget("interleaved", stages=4, microbatches=8)
+    w.controls["microbatches"].value = 6
+    assert w.timeline is None and "divisible by stages" in w.error and "divisible" in w.bubble.value
+    with pytest.raises(ValueError, match="no schedule"):
+        w.figure()
+    w.controls["microbatches"].value = 12
+    assert w.error is None and w.timeline.bubble_over_ideal == pytest.approx(3 / 24)
+
+
+def test_static_fallback_is_the_widgets_picture():
+    w = wp.PipelineWidget("interleaved", stages=2, microbatches=4, chunks=3)
+    fig = w.figure()
+    assert figure_png(fig) == w.png and fig._repr_png_().startswith(b"\x89PNG")
+    gantt, by_m, by_p = fig.axes[:3]
+    assert stage_labels(gantt) == ["stage 1", "stage 0"]
+    assert by_m.get_xlabel().startswith("micro-batches") and by_p.get_xlabel() == "pipeline stages p"
+    assert bundle_has_widget(w)
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 3, 4, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 2)])
+def test_gantt_has_one_row_per_stage_and_shows_compute_and_idle(name, p, m, v):
+    timeline = simulate(schedule(name, p, m, v), chunks=v)
+    (ax,) = gantt_figure_axes(timeline)
+    assert stage_labels(ax) == [f"stage {s}" for s in reversed(range(p))]
+    forward = bars_of_color(ax, to_rgba(wp.COLORS["F"]))
+    backward = bars_of_color(ax, to_rgba(wp.COLORS["B"]))
+    assert forward == pytest.approx(p * m / v)          # chunk 0's forwards, each 1 / v long
+    assert backward == pytest.approx(2 * p * m / v)
+    assert bars_of_color(ax, to_rgba(wp.IDLE)) == pytest.approx(p * timeline.total_time)   # the rows behind
+
+
+def test_measured_run_is_drawn_beside_the_prediction():
+    timeline = simulate(schedule("1f1b", 2, 3))
+    measured = [[(10.0 + 0.01 * s, 10.0 + 0.01 * e, op, mb, c) for s, e, op, mb, c in stage]
+                for stage in timeline.spans]
+    measured[0].append((10.5, 10.6, "SEND_F", 0, 0))     # communication spans are not drawn
+    predicted, real = gantt_figure_axes(timeline, measured=measured)
+    assert stage_labels(real) == stage_labels(predicted) == ["stage 1", "stage 0"]
+    assert real.get_xlim() == pytest.approx((0, 0.01 * timeline.total_time))  # from the earliest span
+    assert real.get_title(loc="left") == "measured" and real.get_xlabel() == "seconds"
+    widget = wp.PipelineWidget("1f1b", stages=2, microbatches=3, measured=[[list(s) for s in st] for st in measured])
+    assert len(widget.figure().axes) == 4  # two Gantt charts, two throughput plots
+
+
+def test_throughput_plots_are_one_minus_the_bubble_formula():
+    fig = wp.throughput_figure("1f1b", stages=4, microbatches=8)
+    by_m, by_p = fig.axes
+    xs, ys = by_m.lines[0].get_data()
+    assert list(xs[:3]) == [1, 2, 3] and ys[7] == pytest.approx(1 - 3 / 11)
+    fixed, growing = by_p.lines[:2]
+    assert fixed.get_ydata()[-1] == pytest.approx(1 - 15 / 23)            # p = 16, m = 8
+    assert list(growing.get_xdata()) == list(range(2, 17))                 # m = 8 (p - 1) / 3
+    assert growing.get_ydata() == pytest.approx([1 - 3 / 11] * 15)
