@@ -13,6 +13,10 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
                 (`CollectivesWidget`, `collectives_figure`)
   timeline      one recorded step per rank: compute, each bucket's all-reduce, hidden vs exposed
                 (`TimelineWidget`, `timeline_figure`)
+  comm_counter  tensor parallelism's collectives of one step, their time on a machine beside the compute,
+                a run's counts beside the prediction (`CommCounterWidget`, `comm_figure`)
+  pipeline      a pipeline schedule's Gantt chart, its bubble beside the formula, throughput against m and p
+                (`PipelineWidget`, `gantt_figure`, `throughput_figure`)
 
 Import the submodule you need, e.g. `from labsupport.widgets.memory import MemoryWidget`;
 nothing is imported here, so loading one widget never pulls in the others' dependencies.

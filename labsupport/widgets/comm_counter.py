@@ -1,0 +1,328 @@
+"""What tensor parallelism sends in one optimizer step, and what that costs on a real machine:
+the comm-counter widget and its static figure.
+
+Every number comes from `labsupport.estimate`: the collectives from `tp_comm.tp_comm` and
+`tp_comm.total`, their time from `comm_cost.collective_time` (ring algorithm) over the link that
+`machines.link` picks for a group of T devices, the compute from `flops.training_flops_per_token`.
+This module only chooses the inputs, formats the outputs and draws them:
+
+    predict(...)              one step's collectives per phase and op, their alpha-beta time on a
+                              machine beside the step's compute time, and the ratio (a dict)
+    comm_figure(...)          the same as a static Figure: wire bytes per op and phase; the two times
+    from_run(summary)         the settings of a `labsupport.train.run(...)` result and what its rank 0
+                              counted, so that a real run can be drawn beside its prediction
+    CommCounterWidget(...)    controls -> predict(...) -> readout, table, figure; .figure() is the
+                              static stand-in for show(w, w.figure())
+"""
+from __future__ import annotations
+
+import html
+
+from matplotlib.patches import Patch
+from matplotlib.ticker import EngFormatter
+
+from .collectives import NotebookFigure
+from .memory import MFU, format_bytes, model_shape
+from .show import figure_png
+from ..estimate.comm_cost import collective_time
+from ..estimate.flops import training_flops_per_token
+from ..estimate.machines import MACHINES, link
+from ..estimate.tp_comm import total, tp_comm
+from ..model import CPU_PRESETS, PRESETS
+
+TP_DEGREES = (1, 2, 4, 8, 16, 32)
+BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype
+PHASES = ("forward", "backward", "finish", "clip")  # tp_comm's phases, in the order a step runs them
+PHASE_LABELS = {"forward": "forward", "backward": "backward",
+                "finish": "finish (SP: LayerNorm and bias gradients)", "clip": "clip (gradient norm)"}
+COLORS = {"forward": "#4C72B0", "backward": "#55A868", "finish": "#CCB974", "clip": "#8172B2"}
+RUN_KEYS = ("model", "seq_len", "vocab", "tp", "sequence_parallel", "micro_batch", "microbatches",
+            "bytes_per_element")  # what a run's counts depend on: the widget must match them to compare
+
+
+def tp_choices(heads: int) -> list[int]:
+    """The tensor-parallel degrees offered for a model: those that divide its heads."""
+    return [t for t in TP_DEGREES if heads % t == 0]
+
+
+def format_time(seconds: float) -> str:
+    """0.0123 -> '12.3 ms'; 4.5e-5 -> '45 us'."""
+    for unit, scale in (("s", 1), ("ms", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-6:.3g} us"
+
+
+def predict(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, sequence_parallel: bool = False,
+            micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
+            vocab: int | None = None) -> dict:
+    """One optimizer step of one rank of a TP group of `tp` devices on `machine`.
+
+    Returns a dict: `cfg` (the ModelConfig), `phases` ({phase: {op: calls, payload_bytes,
+    wire_bytes}}), `total` (the same summed per op, as labsupport.comm counts a step), `alpha_s`,
+    `gbps` and `crosses` (the link the ring's slowest hop uses, and whether that is the network),
+    `comm_s`, `flops` (the step's training FLOPs on this rank), `compute_s` (at MFU of the
+    machine's bf16 peak) and `ratio` = comm_s / compute_s. T = 1 has no group: nothing is sent.
+    CPU presets get `vocab` (default: the shipped corpus's); `seq_len` replaces a preset's context.
+    """
+    cfg = model_shape(model, vocab, seq_len)
+    if cfg.heads % tp:
+        raise ValueError(f"{cfg.name} has {cfg.heads} heads: T must divide them, and {tp} does not")
+    alpha, gbps = link(machine, tp)  # refuses an unknown machine
+    m = MACHINES[machine]
+    step = {} if tp == 1 else tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, micro_batch, microbatches=microbatches,
+                                      sequence_parallel=sequence_parallel, bias=cfg.bias,
+                                      bytes_per_element=bytes_per_element)
+    phases = {phase: total({phase: ops}, tp) for phase, ops in step.items()}
+    per_op = total(step, tp)
+    # The alpha-beta time is linear in the bytes, so calls of different sizes cost what as many
+    # calls of their mean size cost.
+    comm_s = sum(c["calls"] * collective_time(op, "ring", c["payload_bytes"] / c["calls"], tp, alpha, 1 / (gbps * 1e9))
+                 for op, c in per_op.items())
+    flops = training_flops_per_token(cfg) * micro_batch * cfg.seq_len * microbatches / tp
+    compute_s = flops / (m.peak_tflops_bf16 * 1e12 * MFU)
+    return {"cfg": cfg, "phases": phases, "total": per_op, "alpha_s": alpha, "gbps": gbps,
+            "crosses": tp > m.devices_per_node, "comm_s": comm_s, "flops": flops, "compute_s": compute_s,
+            "ratio": comm_s / compute_s}
+
+
+def from_run(summary: dict) -> tuple[dict, dict]:
+    """(`predict`'s keywords for a run, what its rank 0 counted in its last step: {op: calls,
+    payload_bytes, wire_bytes}) from a `labsupport.train.run(...)` result or `labsupport train --json`.
+    The counts are the run's TP group's (`comm_groups`), so data-parallel traffic stays out."""
+    shape, parallel = summary["model"], summary["parallel"]
+    if shape["name"] not in PRESETS:
+        raise ValueError(f"the run's model {shape['name']!r} is not a preset: the widget offers only presets")
+    if parallel["pp"] != 1:
+        raise ValueError("the comm counter predicts tensor parallelism without pipeline stages (pp = 1)")
+    micro = summary["micro_batch"]
+    settings = dict(model=shape["name"], seq_len=shape["seq_len"], vocab=shape["vocab"], tp=parallel["tp"],
+                    sequence_parallel=parallel["sequence_parallel"], micro_batch=micro,
+                    microbatches=summary["global_batch"] // (parallel["dp"] * micro),
+                    bytes_per_element=BYTES[summary["dtype"]])
+    return settings, summary["comm_groups"][0].get("tp", {})
+
+
+def _title(model: str, tp: int, sequence_parallel: bool = False) -> str:
+    return f"{model}, T = {tp}" + (", sequence parallel" if sequence_parallel else "")
+
+
+def _figure(pred: dict, machine: str, counted: dict | None, title: str):
+    """Two panels: wire bytes per op, stacked by phase (the counted bytes beside them, hatched,
+    when given), and the step's communication time against its compute time."""
+    fig = NotebookFigure(figsize=(8.4, 3.8), layout="constrained")
+    ax, times = fig.subplots(1, 2, width_ratios=[3, 2])
+    ops = sorted(set(pred["total"]) | set(counted or {}))
+    width = 0.38 if counted else 0.6
+    shift = -width / 2 if counted else 0
+    bottom = [0.0] * len(ops)
+    for phase in PHASES:
+        if phase in pred["phases"]:
+            heights = [pred["phases"][phase].get(op, {}).get("wire_bytes", 0) for op in ops]
+            ax.bar([x + shift for x in range(len(ops))], heights, width, bottom=bottom, color=COLORS[phase],
+                   label=PHASE_LABELS[phase])
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    handles = list(ax.get_legend_handles_labels()[0])
+    if counted:
+        ax.bar([x + width / 2 for x in range(len(ops))], [counted.get(op, {}).get("wire_bytes", 0) for op in ops],
+               width, color="white", edgecolor="gray", hatch="//")
+        handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="counted in the run"))
+    ax.set_xticks(range(len(ops)), ops)
+    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax.set_ylabel("wire bytes per rank and step")
+    if ops:
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "T = 1: nothing to send", transform=ax.transAxes, ha="center")
+    ax.set_title(title, fontsize=10)
+
+    seconds = [pred["comm_s"], pred["compute_s"]]
+    times.barh([1, 0], seconds, color=["#C44E52" if pred["crosses"] else "#DD8452", "#4C72B0"])
+    times.set_yticks([1, 0], ["TP communication", f"compute ({MFU:.0%} MFU)"])
+    for y, s in zip([1, 0], seconds):
+        times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    times.set_xlim(0, max(seconds) * 1.3)
+    times.set_xticks([])  # the bars carry their times
+    where = "the ring crosses the network" if pred["crosses"] else "inside one node"
+    times.set_title(f"comm / compute = {pred['ratio']:.3g}\n{machine}, {pred['gbps']:g} GB/s\n{where}", fontsize=10,
+                    color="#b00" if pred["crosses"] else "black")
+    return fig
+
+
+def comm_figure(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, counted: dict | None = None,
+                title: str | None = None, **options):
+    """A static Figure of one step's TP traffic and its cost: `comm_figure("22b", 16, "Frontier (MI250X GCD)")`.
+    Other keywords are `predict`'s; `counted` ({op: calls, payload_bytes, wire_bytes}) is drawn beside."""
+    pred = predict(model, tp, machine, **options)
+    return _figure(pred, machine, counted, title or _title(model, tp, options.get("sequence_parallel", False)))
+
+
+class CommCounterWidget:
+    """Controls for a model, T, sequence parallelism, the batch, the element size and a machine;
+    shows one step's tensor-parallel collectives (table and bars) and their time beside the compute.
+
+    `CommCounterWidget("22b", tp=8)` in a notebook cell displays it. Its state is inspectable
+    without a browser: set `w.controls["tp"].value = 16` and `w.prediction` (predict's dict),
+    `w.text`, `w.readout.value`, `w.table.value` and `w.png` follow. `measured=` takes a
+    `labsupport.train.run(...)` result: the controls start at its settings (`machine` aside) and
+    its counts appear beside the prediction whenever the controls match them again; a bare
+    {op: counts} dict is taken to belong to the settings given as keywords.
+    """
+
+    def __init__(self, model: str = "22b", *, tp: int = 8, machine: str = "DGX H100", sequence_parallel: bool = False,
+                 micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
+                 vocab: int | None = None, measured: dict | None = None):
+        import ipywidgets as W
+
+        settings = dict(model=model, seq_len=seq_len, vocab=vocab, tp=tp, sequence_parallel=sequence_parallel,
+                        micro_batch=micro_batch, microbatches=microbatches, bytes_per_element=bytes_per_element)
+        self.counted = measured
+        if measured is not None and "comm_groups" in measured:
+            settings, self.counted = from_run(measured)
+        self.vocab = settings["vocab"]
+        cfg = model_shape(settings["model"], self.vocab, settings["seq_len"])
+        settings["seq_len"] = cfg.seq_len
+        if settings["tp"] not in tp_choices(cfg.heads):
+            raise ValueError(f"T = {settings['tp']} is not offered for {cfg.name} ({cfg.heads} heads): choose one "
+                             f"of {tp_choices(cfg.heads)}")
+        style = {"description_width": "170px"}
+        c = self.controls = {
+            "model": W.Dropdown(options=[(self._menu_label(n), n) for n in PRESETS], value=cfg.name,
+                                description="model", style=style, layout=W.Layout(width="560px")),
+            "seq_len": W.BoundedIntText(value=cfg.seq_len, min=1, max=10_000_000, description="sequence length",
+                                        style=style),
+            "tp": W.Dropdown(options=tp_choices(cfg.heads), value=settings["tp"], description="tensor parallel T",
+                             style=style),
+            "sequence_parallel": W.Checkbox(value=settings["sequence_parallel"], description="sequence parallel",
+                                            style=style, layout=W.Layout(width="420px")),
+            "micro_batch": W.BoundedIntText(value=settings["micro_batch"], min=1, max=4096, description="micro-batch",
+                                            style=style),
+            "microbatches": W.BoundedIntText(value=settings["microbatches"], min=1, max=4096,
+                                             description="micro-batches per step", style=style),
+            "bytes_per_element": W.Dropdown(options=[("bf16 (2 bytes)", 2), ("fp32 (4 bytes)", 4)],
+                                            value=settings["bytes_per_element"], description="activations",
+                                            style=style),
+            "machine": W.Dropdown(options=list(MACHINES), value=machine, description="machine", style=style,
+                                  layout=W.Layout(width="420px")),
+        }
+        for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
+            control.add_class(f"labsupport-comm-{name.replace('_', '-')}")
+        self.run_settings = {k: settings[k] for k in RUN_KEYS}
+        self.readout = W.HTML().add_class("labsupport-comm-readout")
+        self.table = W.HTML().add_class("labsupport-comm-table")
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%")).add_class("labsupport-comm-figure")
+        self.widget = W.VBox([W.VBox(list(c.values())), self.readout, self.table, self.image])
+        self.widget.add_class("labsupport-comm")
+        self.prediction: dict = {}
+        self.text = ""
+        self.png = b""
+        self._holding = False  # while one control sets another, update once at the end
+        c["model"].observe(self._model_changed, names="value")
+        for control in c.values():
+            control.observe(self._changed, names="value")
+        self.update()
+
+    @staticmethod
+    def _menu_label(name: str) -> str:
+        cfg = PRESETS[name]
+        kind = "CPU preset" if name in CPU_PRESETS else "analysis shape"
+        return f"{name} ({kind}: {cfg.n_layers} layers x {cfg.hidden}, {cfg.heads} heads)"
+
+    def _model_changed(self, change):
+        """A preset brings its own context, and T must divide its heads: keep the largest T that does."""
+        cfg = model_shape(change["new"], self.vocab)
+        tp = self.controls["tp"]
+        keep = tp.value
+        self._holding = True
+        try:
+            tp.options = tp_choices(cfg.heads)
+            tp.value = max(t for t in tp.options if t <= keep)
+            self.controls["seq_len"].value = cfg.seq_len
+        finally:
+            self._holding = False
+
+    def _changed(self, change):
+        if not self._holding:
+            self.update()
+
+    def options(self) -> dict:
+        """The current control values as keywords of `predict`."""
+        return dict({name: control.value for name, control in self.controls.items()}, vocab=self.vocab)
+
+    def matches_run(self) -> bool:
+        """Whether the controls are the settings the counted traffic belongs to."""
+        options = self.options()
+        return self.counted is not None and all(options[k] == v for k, v in self.run_settings.items())
+
+    def update(self) -> dict:
+        """Recompute from the controls; refresh readout, table, text and picture. Returns the prediction."""
+        o = self.options()
+        pred = self.prediction = predict(**o)
+        m = MACHINES[o["machine"]]
+        tp = o["tp"]
+        compute = (f"compute {format_time(pred['compute_s'])} ({pred['flops']:.3g} FLOPs per rank at {MFU:.0%} "
+                   f"of {m.peak_tflops_bf16:g} TFLOP/s bf16)")
+        if tp == 1:
+            self.text = f"T = 1: one device holds every layer and tensor parallelism sends nothing; {compute}."
+            crossing = ""
+        else:
+            crossing = (f"T = {tp} > {m.devices_per_node} devices per node: the ring crosses the network"
+                        if pred["crosses"] else f"T = {tp} fits in one node of {m.devices_per_node}")
+            self.text = (f"{crossing} ({pred['gbps']:g} GB/s per direction, alpha {pred['alpha_s'] * 1e6:g} us). "
+                         f"On {m.name} one step's TP communication takes {format_time(pred['comm_s'])}, its "
+                         f"{compute}: communication / compute = {pred['ratio']:.3g}.")
+        if self.counted is not None:
+            self.text += " " + self._run_text()
+        shown = html.escape(self.text)
+        if pred["crosses"]:
+            shown = shown.replace(html.escape(crossing), f"<b style='color:#b00'>{html.escape(crossing)}</b>", 1)
+        self.readout.value = f"<div style='max-width:960px'>{shown}</div>"
+        self.table.value = self._table_html()
+        self.png = figure_png(self.figure())
+        self.image.value = self.png
+        return pred
+
+    def _run_text(self) -> str:
+        run = self.run_settings
+        if not self.matches_run():
+            return (f"(The run's counts belong to {run['model']}, T = {run['tp']}, sequence parallel "
+                    f"{'on' if run['sequence_parallel'] else 'off'}, micro-batch {run['micro_batch']} x "
+                    f"{run['microbatches']}, {run['bytes_per_element']} bytes per element: set the controls back to "
+                    "compare.)")
+        same = self.counted == self.prediction["total"]
+        return ("Counted in the run: " + ", ".join(f"{op} {c['calls']} calls, {format_bytes(c['wire_bytes'])} on the wire"
+                                                    for op, c in sorted(self.counted.items()))
+                + (": exactly the prediction." if same else ": not the prediction, see the table."))
+
+    def _table_html(self) -> str:
+        pred, counted = self.prediction, self.counted if self.matches_run() else None
+        head = ["phase", "op", "calls", "payload", "wire bytes"]
+        if counted is not None:
+            head += ["counted calls", "counted payload", "counted wire bytes"]
+        rows = [[PHASE_LABELS[phase], op, c["calls"], format_bytes(c["payload_bytes"]), format_bytes(c["wire_bytes"])]
+                + ([""] * 3 if counted is not None else [])
+                for phase in PHASES for op, c in pred["phases"].get(phase, {}).items()]
+        for op in sorted(set(pred["total"]) | set(counted or {})):
+            c = pred["total"].get(op, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+            row = ["<b>step total</b>", f"<b>{op}</b>", c["calls"], format_bytes(c["payload_bytes"]),
+                   format_bytes(c["wire_bytes"])]
+            if counted is not None:
+                k = counted.get(op, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+                row += [k["calls"], format_bytes(k["payload_bytes"]), format_bytes(k["wire_bytes"])]
+            rows.append(row)
+        if not rows:
+            return ""
+        cell = "<td style='padding:1px 10px; text-align:{}'>{}</td>"
+        body = "".join("<tr>" + "".join(cell.format("left" if i < 2 else "right", v) for i, v in enumerate(r))
+                       + "</tr>" for r in rows)
+        header = "".join(f"<th style='padding:1px 10px'>{h}</th>" for h in head)
+        return f"<table><tr>{header}</tr>{body}</table>"
+
+    def figure(self):
+        """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`."""
+        o = self.options()
+        return _figure(self.prediction, o["machine"], self.counted if self.matches_run() else None,
+                       _title(o["model"], o["tp"], o["sequence_parallel"]))
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)

@@ -1,0 +1,192 @@
+"""The comm-counter widget: every number is tp_comm's, collective_time's and the FLOP count's; no browser needed."""
+import base64
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from labsupport.estimate.comm_cost import collective_time  # noqa: E402
+from labsupport.estimate.flops import training_flops_per_token  # noqa: E402
+from labsupport.estimate.machines import MACHINES, link  # noqa: E402
+from labsupport.estimate.tp_comm import total, tp_comm  # noqa: E402
+from labsupport.model import PRESETS  # noqa: E402
+from labsupport.widgets import comm_counter as cc  # noqa: E402
+from labsupport.widgets import show as sh  # noqa: E402
+
+
+def fake_run(tp=2, sequence_parallel=False, micro_batch=4, global_batch=8, dtype="fp32", counted=None) -> dict:
+    """The keys of a `labsupport.train.run(...)` result that the widget reads (nano on tp ranks)."""
+    nano = PRESETS["nano"]
+    settings = dict(model="nano", seq_len=nano.seq_len, vocab=65, tp=tp, sequence_parallel=sequence_parallel,
+                    micro_batch=micro_batch, microbatches=global_batch // micro_batch,
+                    bytes_per_element=cc.BYTES[dtype])
+    counts = cc.predict(**settings)["total"] if counted is None else counted
+    return {"model": {"name": "nano", "n_layers": nano.n_layers, "hidden": nano.hidden, "heads": nano.heads,
+                      "vocab": 65, "seq_len": nano.seq_len},
+            "parallel": {"strategy": "tp", "dp": 1, "tp": tp, "pp": 1, "sequence_parallel": sequence_parallel},
+            "micro_batch": micro_batch, "global_batch": global_batch, "dtype": dtype,
+            "comm": [counts] * tp, "comm_groups": [{"tp": counts}] * tp}
+
+
+def bar_heights(ax) -> list[float]:
+    return [p.get_height() for p in ax.patches]
+
+
+def test_predict_is_tp_comm_priced_by_the_ring_formula():
+    """22b at T = 8 on a DGX H100: the collectives are tp_comm's; each call costs the ring's alpha-beta
+    time on NVLink; the compute is 1/8 of the step's training FLOPs at 40% of the H100's bf16 peak."""
+    p = cc.predict("22b", 8, "DGX H100", micro_batch=2, microbatches=3, bytes_per_element=2)
+    cfg = PRESETS["22b"]
+    step = tp_comm(48, 6144, 2048, 2, microbatches=3, bytes_per_element=2)
+    assert p["total"] == total(step, 8)
+    assert p["phases"] == {phase: total({phase: ops}, 8) for phase, ops in step.items()}
+    alpha, gbps = link("DGX H100", 8)
+    assert (p["alpha_s"], p["gbps"], p["crosses"]) == (5e-6, 450, False) == (alpha, gbps, False)
+    latency = sum(c["calls"] * collective_time(op, "ring", 0, 8, alpha, 0) for op, c in p["total"].items())
+    bandwidth = sum(collective_time(op, "ring", c["payload_bytes"], 8, 0, 1 / 450e9) for op, c in p["total"].items())
+    assert p["comm_s"] == pytest.approx(latency + bandwidth)
+    assert p["flops"] == training_flops_per_token(cfg) * 2 * 2048 * 3 / 8
+    assert p["compute_s"] == pytest.approx(p["flops"] / (989e12 * 0.4))
+    assert p["ratio"] == pytest.approx(p["comm_s"] / p["compute_s"])
+    with pytest.raises(ValueError, match="T must divide"):
+        cc.predict("gpt2", 8)  # 12 heads
+    with pytest.raises(ValueError, match="unknown machine"):
+        cc.predict("22b", 8, "Summit")
+
+
+def test_controls_change_the_numbers():
+    w = cc.CommCounterWidget("22b", tp=8)
+    assert w.prediction["total"] == cc.predict("22b", 8)["total"]
+    assert "communication / compute = " + f"{w.prediction['ratio']:.3g}" in w.text
+    seen = {w.text}
+    for name, value in [("micro_batch", 4), ("microbatches", 8), ("bytes_per_element", 4), ("seq_len", 4096),
+                        ("machine", "DGX A100"), ("tp", 4), ("model", "175b")]:
+        before = w.png
+        w.controls[name].value = value
+        assert w.prediction == cc.predict(**w.options()), name
+        assert w.text not in seen and w.png != before, f"{name} changed nothing"
+        seen.add(w.text)
+    assert w.controls["seq_len"].value == 2048  # a preset brings its own context
+    assert w.prediction["cfg"] == PRESETS["175b"]
+    assert w.table.value.count("<tr>") == 1 + 3 + 1  # header; forward, backward and clip all_reduce; step total
+
+
+def test_sequence_parallelism_trades_all_reduces_for_all_gathers_and_reduce_scatters():
+    w = cc.CommCounterWidget("22b", tp=8)
+    plain = w.prediction["total"]
+    w.controls["sequence_parallel"].value = True
+    sp = w.prediction["total"]
+    assert set(plain) == {"all_reduce"} and set(sp) == {"all_gather", "all_reduce", "reduce_scatter"}
+    assert sp["all_reduce"]["calls"] < plain["all_reduce"]["calls"]  # only embedding, loss, SP's gradients, norm
+    layer_pairs = sp["all_gather"]["wire_bytes"] + sp["reduce_scatter"]["wire_bytes"]
+    assert layer_pairs > plain["all_reduce"]["wire_bytes"] - sp["all_reduce"]["wire_bytes"]  # plus the re-gathers
+    assert "all_gather" in w.table.value and "reduce_scatter" in w.table.value
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_beyond_a_node_the_ring_crosses_the_network(machine):
+    m = MACHINES[machine]
+    w = cc.CommCounterWidget("175b", tp=8, machine=machine)
+    inside = w.prediction
+    assert not inside["crosses"] and (inside["alpha_s"], inside["gbps"]) == (m.intra_alpha_s, m.intra_gbps)
+    assert "crosses the network" not in w.text and f"fits in one node of {m.devices_per_node}" in w.text
+    w.controls["tp"].value = 16
+    across = w.prediction
+    assert across["crosses"] and (across["alpha_s"], across["gbps"]) == (m.inter_alpha_s, m.inter_gbps)
+    assert "T = 16 > 8 devices per node: the ring crosses the network" in w.text
+    assert "<b style='color:#b00'>T = 16 &gt; 8 devices per node: the ring crosses the network</b>" in w.readout.value
+    assert across["ratio"] > 2 * inside["ratio"]  # half the compute per rank, and a slower link
+
+
+def test_tp_menu_offers_only_degrees_that_divide_the_heads():
+    w = cc.CommCounterWidget("22b", tp=16)
+    assert w.controls["tp"].options == (1, 2, 4, 8, 16)  # 48 heads
+    w.controls["model"].value = "gpt2"  # 12 heads: the largest T that still divides them
+    assert w.controls["tp"].options == (1, 2, 4) and w.controls["tp"].value == 4
+    assert w.prediction == cc.predict("gpt2", 4)
+    w.controls["model"].value = "175b"
+    assert w.controls["tp"].options == tuple(cc.TP_DEGREES)
+    with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4\]"):
+        cc.CommCounterWidget("gpt2", tp=8)
+    w.controls["model"].value = "nano"
+    w.controls["tp"].value = 1
+    assert w.prediction["total"] == {} and w.prediction["comm_s"] == 0
+    assert w.text.startswith("T = 1: one device holds every layer") and w.table.value == ""
+
+
+def test_a_runs_counts_are_shown_beside_the_prediction_when_the_settings_match():
+    run = fake_run(tp=2, sequence_parallel=True, micro_batch=4, global_batch=8)
+    w = cc.CommCounterWidget(measured=run, machine="DGX A100")
+    assert w.options() == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=True, micro_batch=4,
+                               microbatches=2, bytes_per_element=4, machine="DGX A100")
+    assert w.matches_run() and "exactly the prediction" in w.text
+    assert "counted wire bytes" in w.table.value
+    hatched = [p for p in w.figure().axes[0].patches if p.get_hatch() == "//"]
+    assert [p.get_height() for p in hatched] == [c["wire_bytes"] for _, c in sorted(w.counted.items())]
+
+    w.controls["tp"].value = 4
+    assert not w.matches_run() and "set the controls back to compare" in w.text
+    assert "counted" not in w.table.value
+    assert not any(p.get_hatch() for p in w.figure().axes[0].patches)
+    w.controls["tp"].value = 2
+    assert w.matches_run()
+
+    off = fake_run(counted={"all_reduce": {"calls": 1, "payload_bytes": 8, "wire_bytes": 8}})
+    assert "not the prediction" in cc.CommCounterWidget(measured=off).text
+
+
+def test_a_bare_comm_dict_belongs_to_the_keywords():
+    counted = cc.predict("micro", 2, vocab=65)["total"]
+    w = cc.CommCounterWidget("micro", tp=2, vocab=65, bytes_per_element=2, measured=counted)
+    assert w.matches_run() and "exactly the prediction" in w.text
+
+
+def test_from_run_reads_the_run_summary():
+    settings, counted = cc.from_run(fake_run(tp=2, micro_batch=2, global_batch=8, dtype="bf16"))
+    assert settings == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=False, micro_batch=2,
+                            microbatches=4, bytes_per_element=2)
+    assert counted == cc.predict(**settings)["total"]
+    piped = fake_run()
+    piped["parallel"]["pp"] = 2
+    with pytest.raises(ValueError, match="pp = 1"):
+        cc.from_run(piped)
+
+
+def test_static_figure_stands_in_for_the_widget(monkeypatch):
+    w = cc.CommCounterWidget("22b", tp=8, sequence_parallel=True)
+    fig = w.figure()
+    bytes_ax, times_ax = fig.axes
+    ops = [t.get_text() for t in bytes_ax.get_xticklabels()]
+    assert ops == ["all_gather", "all_reduce", "reduce_scatter"]
+    phases = [ph for ph in cc.PHASES if ph in w.prediction["phases"]]
+    expected = [w.prediction["phases"][ph].get(op, {}).get("wire_bytes", 0) for ph in phases for op in ops]
+    assert bar_heights(bytes_ax) == expected  # stacked: phase by phase, one bar per op
+    assert [p.get_width() for p in times_ax.patches] == [w.prediction["comm_s"], w.prediction["compute_s"]]
+    assert bytes_ax.get_title() == "22b, T = 8, sequence parallel"
+    assert times_ax.get_title() == f"comm / compute = {w.prediction['ratio']:.3g}\nDGX H100, 450 GB/s\ninside one node"
+    assert bar_heights(cc.comm_figure("22b", 8, sequence_parallel=True).axes[0]) == expected
+    assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    sh.show(w, w.figure())
+    (bundle,) = shown
+    assert sh.WIDGET_VIEW in bundle and base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+
+
+def test_format_time():
+    assert [cc.format_time(s) for s in (2.5, 0.0123, 4.5e-5)] == ["2.5 s", "12.3 ms", "45 us"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_real_run_reads_back_as_its_prediction():
+    """`labsupport.train.run` on 2 TP ranks: the widget starts at its settings and its counts equal the prediction."""
+    from labsupport.train import run
+
+    res = run(strategy="tp", nproc=2, tp=2, model="nano", steps=1, global_batch=4, micro_batch=2,
+              sequence_parallel=True, sample_chars=0, eval_batches=0)
+    w = cc.CommCounterWidget(measured=res)
+    assert w.options()["microbatches"] == 2 and w.options()["sequence_parallel"]
+    assert w.matches_run() and w.counted == w.prediction["total"], w.text
