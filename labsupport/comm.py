@@ -324,18 +324,38 @@ def barrier(group=None):
 
 
 # ---------------------------------------------------------------- point to point
+# `dst`/`src` are world ranks. A `tag` tells apart messages that travel between the same two
+# ranks in the same direction (a pipeline's activations and gradients: gloo matches a receive
+# to a send by peer and tag; NCCL ignores tags and matches by order).
 
-def send(tensor, dst, group=None):
-    return _call("send", _nbytes(tensor), group, lambda: dist.send(tensor, dst, group=group), peer=dst)
-
-
-def recv(tensor, src, group=None):
-    return _call("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, src, group=group), peer=src)
-
-
-def isend(tensor, dst, group=None):
-    return _call("send", _nbytes(tensor), group, lambda: dist.isend(tensor, dst, group=group), True, peer=dst)
+def send(tensor, dst, group=None, tag=0):
+    return _call("send", _nbytes(tensor), group, lambda: dist.send(tensor, dst, group=group, tag=tag), peer=dst)
 
 
-def irecv(tensor, src, group=None):
-    return _call("recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, src, group=group), True, peer=src)
+def recv(tensor, src, group=None, tag=0):
+    return _call("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, src, group=group, tag=tag), peer=src)
+
+
+def isend(tensor, dst, group=None, tag=0):
+    return _call("send", _nbytes(tensor), group, lambda: dist.isend(tensor, dst, group=group, tag=tag), True,
+                 peer=dst)
+
+
+def irecv(tensor, src, group=None, tag=0):
+    return _call("recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, src, group=group, tag=tag), True,
+                 peer=src)
+
+
+def batch_isend_irecv(ops, group=None) -> list:
+    """Post sends and receives together: `ops` are ("send" | "recv", tensor, peer, tag); returns
+    their works, in order. NCCL runs one pair of ranks' messages in order on one stream, so two
+    neighbours that each send to the other before receiving wait for each other forever; posted
+    as one group (`torch.distributed.batch_isend_irecv`), they proceed. gloo needs no group."""
+    if not ops:
+        return []
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag)
+                                    for kind, tensor, peer, tag in ops])
+    if len(works) != len(ops):  # NCCL coalesces the group into one work, done when all of it is
+        works = [works[-1]] * len(ops)
+    return [_call(kind, _nbytes(tensor), group, lambda work=work: work, True, peer=peer)
+            for (kind, tensor, peer, _), work in zip(ops, works)]

@@ -27,11 +27,12 @@ import torch
 from . import checkpoint, comm, runtime
 from .data import BatchSampler, CharTokenizer, Corpus, DataError, load_text, micro_batches
 from .estimate.params import count_params
+from .estimate.schedules import SCHEDULES
 from .launch import make_run_dir
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import DEFAULT_PRESET, PRESETS, ModelConfig, TinyGPT, generate, get_preset
 from .parallel import ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel.config import DDP_MODES, SCHEDULES
+from .parallel.config import DDP_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage 0-3 (default: the strategy's; accelerate-fsdp: 3)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
-    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline micro-batches per step (default: --pp, one per stage)")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="tensor parallel: shard LayerNorm/dropout regions")
     p.add_argument("--ddp-mode", choices=DDP_MODES, default="bucketed", help="ddp: how gradients are all-reduced")
@@ -102,7 +104,7 @@ def check_resume(checkpoint_dir, expected: dict) -> None:
     if saved is not None and saved != expected:
         def say(lay):
             return (f"{lay['strategy']} on {lay['world_size']} rank(s) (dp {lay['dp']}, tp {lay['tp']}, "
-                    f"pp {lay['pp']}, zero {lay['zero']})")
+                    f"pp {lay['pp']}, zero {lay['zero']}" + (f", chunks {lay['chunks']})" if "chunks" in lay else ")"))
         raise ValueError(f"the checkpoint at step {step} in {checkpoint_dir} was written by {say(saved)}, "
                          f"this run is {say(expected)}; resume with the same layout or use a new --checkpoint-dir")
 
@@ -239,7 +241,7 @@ def train(args, rt) -> dict:
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
     dp_rank, dp_size = strategy.data_rank()
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
-    micro = args.micro_batch or args.global_batch // dp_size
+    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
@@ -306,6 +308,8 @@ def train(args, rt) -> dict:
     if args.eval_batches:
         val_losses.append([args.steps, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
     result["val_losses"] = val_losses
+    if getattr(strategy, "events", None):  # a pipeline's last step, action by action (a measured Gantt chart)
+        result["pipeline_events"] = strategy.events
     if args.sample_chars:
         text = sample(strategy, model, corpus, cfg, args.sample_chars, args.seed, rt.device)
         if rt.rank == 0:
@@ -344,9 +348,11 @@ def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None
                                         "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",
                                         "step_s_median", "parallel")}
     summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
-                   global_batch=args.global_batch, micro_batch=args.micro_batch or args.global_batch // config.dp,
+                   global_batch=args.global_batch,
+                   micro_batch=config.micro_batch_size(args.global_batch, args.micro_batch),
                    memory=[r["memory"] for r in reports], comm=[r["comm"] for r in reports],
                    comm_groups=[r["comm_groups"] for r in reports], duration_s=res.duration_s,
+                   **({"pipeline_events": [r["pipeline_events"] for r in reports]} if "pipeline_events" in r0 else {}),
                    run_dir=str(res.run_dir))
     return summary
 

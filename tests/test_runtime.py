@@ -127,7 +127,8 @@ def test_estimate_and_widgets_never_import_torch_distributed(folder):
 
 # torch's own implementations that the reference strategies wrap; never its collectives.
 TORCH_REFERENCES = {"torch.distributed.optim", "torch.distributed.fsdp", "torch.distributed.fsdp.wrap",
-                    "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel"}
+                    "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                    "torch.distributed.pipelining"}
 
 
 def test_parallel_strategies_communicate_only_through_comm():

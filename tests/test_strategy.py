@@ -68,7 +68,9 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
       "--tp 3 must divide the model's heads (4)", "--tp 3 must divide the model's hidden size (64)",
       "--tp 3 must divide the model's padded vocabulary (64)"]),
     (ParallelConfig.build(3, "ddp", pp=3), 3, ["so --pp must be 1 (got 3)", "--pp 3 x --chunks 1 = 3 pipeline chunks must "
-                                               "divide the model's 2 layers"]),
+                                               "divide the model's 2 layers",
+                                               "the 8 sequences each data-parallel rank gets per step do not split into "
+                                               "--pp 3 micro-batches"]),
     (ParallelConfig.build(2, "ddp", zero=4, ddp_mode="ring"), 2, ["--zero must be 0, 1, 2 or 3", "--ddp-mode must be"]),
 ])
 def test_config_names_every_mistake_on_its_own_line(config, world, problems):

@@ -32,6 +32,8 @@ STRATEGIES = {
     "accelerate-fsdp": Entry("labsupport.parallel.accelerate_fsdp:AccelerateFSDP", ("dp",), default_zero=3),
     "tp": Entry("labsupport.parallel.tensor:TensorParallel", ("tp",)),
     "torch-tp": Entry("labsupport.parallel.torch_tp:TorchTP", ("tp",)),
+    "pp": Entry("labsupport.parallel.pipeline:PipelineParallel", ("pp",)),
+    "torch-pp": Entry("labsupport.parallel.torch_pp:TorchPP", ("pp",)),
 }
 
 __all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]

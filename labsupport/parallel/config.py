@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..estimate.schedules import SCHEDULES
+
 DDP_MODES = ("naive", "flat", "bucketed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 AXES = ("dp", "tp", "pp")
 
 
@@ -34,7 +35,7 @@ class ParallelConfig:
     pp: int = 1
     zero: int | None = None          # None: not given, the strategy's default (registry)
     schedule: str = "1f1b"
-    microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch)
+    microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch, else pp)
     chunks: int = 1                  # model chunks per pipeline rank (interleaved 1F1B)
     sequence_parallel: bool = False
     ddp_mode: str = "bucketed"
@@ -65,8 +66,10 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp
 
     def layout(self) -> dict:
-        """What a checkpoint must match to be resumed: the strategy and the grid."""
-        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero}
+        """What a checkpoint must match to be resumed: the strategy and the grid (and the model chunks
+        per pipeline stage, which decide the layers each stage's file holds, where there are several)."""
+        chunks = {"chunks": self.chunks} if self.chunks > 1 else {}
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **chunks}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,6 +121,12 @@ class ParallelConfig:
             out.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.chunks < 1 or (self.microbatches is not None and self.microbatches < 1):
             out.append("--chunks and --microbatches must be >= 1")
+        elif self.chunks > 1 and self.schedule != "interleaved":
+            out.append(f"--chunks {self.chunks} needs --schedule interleaved (gpipe and 1f1b run one model chunk "
+                       "per stage)")
+        elif self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):
+            out.append(f"--schedule interleaved needs --pp 2 or more and --chunks 2 or more (got --pp {self.pp}, "
+                       f"--chunks {self.chunks}); with one chunk per stage use --schedule 1f1b")
         if model is not None:
             out += self._model_problems(model)
         if global_batch is not None:
@@ -141,20 +150,43 @@ class ParallelConfig:
                 out.append(f"--tp {self.tp} must divide the model's {what} ({size})")
         stages = self.pp * self.chunks
         if model.n_layers % stages:
+            more = " (each chunk needs at least one layer)" if stages > model.n_layers else ""
             out.append(f"--pp {self.pp} x --chunks {self.chunks} = {stages} pipeline chunks must divide "
-                       f"the model's {model.n_layers} layers")
+                       f"the model's {model.n_layers} layers{more}")
         if self.sequence_parallel and model.seq_len % self.tp:
             out.append(f"--sequence-parallel needs --tp {self.tp} to divide the sequence length ({model.seq_len})")
         return out
 
+    def micro_batch_size(self, global_batch: int, micro_batch: int | None = None) -> int:
+        """Sequences per forward/backward: --micro-batch, else each data-parallel rank's share of
+        the global batch cut into --microbatches, by default one per pipeline stage (the fewest
+        that let every stage work at once; without a pipeline, the whole share)."""
+        return micro_batch or global_batch // self.dp // (self.microbatches or self.pp)
+
     def _batch_problems(self, global_batch: int, micro_batch: int | None) -> list[str]:
         if global_batch < 1:
             return ["--global-batch must be >= 1"]
-        micro = micro_batch or global_batch // self.dp
-        if global_batch % self.dp or micro < 1 or (global_batch // self.dp) % micro:
-            return [f"--global-batch {global_batch} must be divisible by micro-batch x data-parallel ranks "
-                    f"({micro_batch or 'auto'} x {self.dp})"]
-        if self.microbatches is not None and (global_batch // self.dp) % self.microbatches:
-            return [f"--microbatches {self.microbatches} must divide the {global_batch // self.dp} sequences "
+        share, micro = global_batch // self.dp, self.micro_batch_size(global_batch, micro_batch)
+        divisible = [f"--global-batch {global_batch} must be divisible by micro-batch x data-parallel ranks "
+                     f"({micro_batch or 'auto'} x {self.dp})"]
+        if global_batch % self.dp:
+            return divisible
+        if self.microbatches is not None and share % self.microbatches:
+            return [f"--microbatches {self.microbatches} must divide the {share} sequences "
                     f"each data-parallel rank gets per step"]
+        if not micro_batch and self.microbatches is None and share % self.pp:
+            return [f"the {share} sequences each data-parallel rank gets per step do not split into --pp {self.pp} "
+                    "micro-batches (the default, one per stage); set --microbatches or --micro-batch"]
+        if micro_batch and self.microbatches and micro_batch * self.microbatches != share:
+            return [f"--micro-batch {micro_batch} x --microbatches {self.microbatches} must equal the {share} "
+                    "sequences each data-parallel rank gets per step; give only one of them"]
+        if micro < 1 or share % micro:
+            return divisible
+        m = share // micro  # micro-batches per step: what a pipeline schedule runs
+        if self.schedule == "interleaved" and self.pp > 1 and m % self.pp:
+            return [f"--schedule interleaved runs micro-batches in groups of --pp {self.pp}, but a step has {m}; "
+                    f"set --microbatches to a multiple of {self.pp}"]
+        if self.strategy == "torch-pp" and self.schedule != "gpipe" and m < self.pp:
+            return [f"torch's {self.schedule} schedule needs at least --pp {self.pp} micro-batches per step, "
+                    f"but a step has {m}; use --microbatches {self.pp} or more"]
         return []

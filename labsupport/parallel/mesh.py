@@ -9,6 +9,8 @@ after every layer and needs NVLink); then the pipeline stage; data parallel vari
 A rank's TP group is the ranks that differ from it in t only, its PP group those that differ
 in p only, its DP group those that differ in d only. Creating a group is a collective over
 the whole world, so every rank creates every group, in the same order, member or not.
+With a pipeline, each pipeline's first and last stage also form an embedding group (they
+hold the two copies of the tied embedding / LM head matrix; parallel/pipeline.py).
 """
 from __future__ import annotations
 
@@ -60,12 +62,18 @@ class Mesh:
             raise ValueError(f"rank {self.rank} is outside a grid of {self.world_size} ranks")
         self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, self.pp, self.tp)
         self.groups = {axis: None for axis in AXES}
+        self.embedding_group = None
         if comm.get_world_size() > 1:
             for axis in ("tp", "pp", "dp"):  # the same order on every rank
                 for members in groups_along(axis, self.dp, self.pp, self.tp):
                     group = comm.new_group(members, name=axis)
                     if self.rank in members:
                         self.groups[axis] = group
+            if self.pp > 1:  # Megatron-LM's embedding group: the first and last stage share the tied matrix
+                for members in groups_along("pp", self.dp, self.pp, self.tp):
+                    group = comm.new_group([members[0], members[-1]], name="embedding")
+                    if self.rank in (members[0], members[-1]):
+                        self.embedding_group = group
 
     @property
     def world_size(self) -> int:
@@ -82,6 +90,10 @@ class Mesh:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` in this rank's pipeline (same d and t)."""
+        return rank_of(self.dp_rank, stage, self.tp_rank, self.pp, self.tp)
 
     @property
     def prev_stage_rank(self) -> int | None:

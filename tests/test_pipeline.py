@@ -1,0 +1,257 @@
+"""Pipeline parallelism is proven against the dense model: every schedule (GPipe, 1F1B, interleaved)
+on 2 and 4 stages gives the dense model's loss, every gradient (each stage's parameters, the tied
+embedding's two copies), the global norm, evaluation loss and logits; each stage runs its
+schedule's actions in order; `labsupport train` gives `single`'s losses step by step, for `pp`
+and torch's pipelining (`torch-pp`); bad settings are refused before any rank starts."""
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+from labsupport.estimate.schedules import schedule
+from labsupport.launch import launch
+from labsupport.parallel import ParallelConfig
+from labsupport.model import ModelConfig
+from test_ddp import COMMON, assert_same_as_single
+
+# ---------------------------------------------------------------- library level: the dense model beside the stages
+
+DENSE = textwrap.dedent('''
+    """Each rank builds the dense TinyGPT (8 layers, random biases) and this stage of a copy of it;
+    ranks after the first perturb their copy of the tied embedding (the first stage's must win).
+    One step of m micro-batches through the schedule against the dense model's mean loss."""
+    import importlib, math, sys
+    import torch
+    from labsupport import comm, init, report
+    from labsupport.model import ModelConfig, TinyGPT, lm_loss
+    from labsupport.parallel import ParallelConfig, make_strategy
+
+    name, schedule, chunks, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    failures = []
+    with init(seed=0) as rt:
+        cfg = ModelConfig("tiny", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8)
+
+        def build():
+            torch.manual_seed(0)
+            model = TinyGPT(cfg)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn_like(p))
+            return model
+
+        dense, mine = build(), build()
+        if rt.rank > 0:
+            with torch.no_grad():
+                mine.tok_emb.weight.add_(1.0)
+        config = ParallelConfig.build(rt.world_size, "pp" if name.startswith("planted") else name, pp=rt.world_size,
+                                      schedule=schedule, chunks=chunks, microbatches=m)
+        if name.startswith("planted"):  # a copy of pipeline.py with a bug in it
+            strategy = importlib.import_module(name).PipelineParallel(rt, config)
+        else:
+            strategy = make_strategy(rt, config)
+        model = strategy.parallelize(mine)
+        data = torch.Generator().manual_seed(1)
+        x, y = torch.randint(0, 57, (2 * m, 8), generator=data), torch.randint(0, 57, (2 * m, 8), generator=data)
+        batches = list(zip(x.chunk(m), y.chunk(m)))
+
+        def close(what, a, b, tol=1e-5):
+            a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+            scale = b[b.isfinite()].abs().max().item() if b.numel() else 1.0
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=tol, atol=tol * scale):
+                failures.append(f"{what} differs" + (f" by {(a - b).nan_to_num().abs().max().item():.2e}"
+                                                     if a.shape == b.shape else " in shape"))
+
+        ref_losses = [lm_loss(dense(xb), yb) for xb, yb in batches]
+        for loss in ref_losses:
+            (loss / m).backward()
+        comm.reset()
+        loss = strategy.forward_backward(model, batches)
+        counts = comm.group_counts()
+        strategy.finish_backward(model)
+        reference = dict(dense.named_parameters())  # the tied matrix once, as tok_emb.weight
+        names = []
+        for part in model:
+            for pname, p in part.named_parameters():
+                names.append(pname)
+                close(f"grad of {pname}", p.grad, reference[pname.replace("lm_head", "tok_emb")].grad)
+        dense_norm = torch.cat([p.grad.flatten() for p in dense.parameters()]).norm()
+        close("grad norm", strategy.clip_grad_norm_(model, 1e9), dense_norm)
+        close("loss", strategy.reduce_loss(loss), torch.stack(ref_losses).mean())
+        with torch.no_grad():
+            close("evaluation loss", strategy.reduce_loss(strategy.evaluate_loss(model, x, y)), lm_loss(dense(x), y))
+            close("logits", strategy.logits(model, x[:3]), dense(x[:3]))
+        state = strategy.model_state(model)
+        strategy.load_model_state(model, state)
+        report(failures=failures, events=strategy.events, counts=counts, state=sorted(state),
+               dense_state=sorted(dense.state_dict()))
+''')
+
+
+def run_dense(tmp_path, nproc, *args, source=DENSE):
+    script = tmp_path / "dense.py"
+    script.write_text(source)
+    res = launch(str(script), *map(str, args), nproc=nproc, timeout=120, run_dir=tmp_path / "run")
+    return [res.report(rank) for rank in range(nproc)]
+
+
+CASES = [  # (stages, schedule, chunks, micro-batches)
+    (2, "gpipe", 1, 4), (2, "1f1b", 1, 4), (2, "1f1b", 1, 1), (2, "interleaved", 2, 4),
+    (4, "gpipe", 1, 4), (4, "1f1b", 1, 6), (4, "interleaved", 2, 8),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages, name, chunks, m", CASES)
+def test_every_schedule_gives_the_dense_models_loss_and_gradients(tmp_path, stages, name, chunks, m):
+    reports = run_dense(tmp_path, stages, "pp", name, chunks, m)
+    actions = schedule(name, stages, m, chunks)
+    for rank, rep in enumerate(reports):
+        assert rep["failures"] == [], f"rank {rank}"
+        # the stage ran its schedule's actions, in order, one after the other
+        assert [tuple(e[2:]) for e in rep["events"]] == [(a.op, a.microbatch, a.chunk) for a in actions[rank]]
+        starts, ends = [e[0] for e in rep["events"]], [e[1] for e in rep["events"]]
+        assert all(0 <= s <= e for s, e in zip(starts, ends)) and all(e <= s for e, s in zip(ends, starts[1:]))
+        computes = sorted(tuple(e[2:]) for e in rep["events"] if e[2] in ("F", "B"))
+        assert computes == sorted((op, j, c) for op in "FB" for j in range(m) for c in range(chunks)), rank
+        # every send between stages counted under "pp": one per SEND of the schedule, of one activation
+        sends = sum(a.op.startswith("SEND") for a in actions[rank])
+        assert rep["counts"].get("pp", {}).get("send", {"calls": 0})["calls"] == sends, rank
+        if sends:
+            assert rep["counts"]["pp"]["send"]["payload_bytes"] == sends * 2 * 8 * 32 * 4
+    # each stage checkpoints its own parts under the dense names; together they are the dense model
+    saved = [name for rep in reports for name in rep["state"]]
+    assert sorted(saved) == reports[0]["dense_state"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, chunks, m", [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)])
+def test_torch_pipelining_gives_the_dense_models_loss_and_gradients(tmp_path, name, chunks, m):
+    for rank, rep in enumerate(run_dense(tmp_path, 2, "torch-pp", name, chunks, m)):
+        assert rep["failures"] == [], f"rank {rank}"
+
+
+BUGS = {
+    "each micro-batch's loss not divided by m": ("out = loss / m  #", "out = loss  #", "grad of"),
+    "the tied embedding's gradients not summed": ('comm.all_reduce(tied.grad, "sum", group=self.mesh.embedding_group)',
+                                                  "pass", "grad of tok_emb.weight"),
+    "the tied matrix counted twice in the norm": ("if p is not tied]", "]", "grad norm"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("bug", BUGS)
+def test_planted_bugs_are_caught(tmp_path, bug):
+    """Each bug is planted in a copy of pipeline.py that the script uses instead of the real one."""
+    from labsupport.parallel import pipeline
+    old, new, expected = BUGS[bug]
+    source = open(pipeline.__file__).read().replace("from .. import", "from labsupport import")
+    source = source.replace("from ..", "from labsupport.").replace("from .strategy",
+                                                                   "from labsupport.parallel.strategy")
+    assert old in source
+    (tmp_path / "planted_pp.py").write_text(source.replace(old, new))
+    reports = run_dense(tmp_path, 2, "planted_pp", "1f1b", 1, 4)
+    assert any(f.startswith(expected) for rep in reports for f in rep["failures"]), [r["failures"] for r in reports]
+
+
+# ---------------------------------------------------------------- the CLI: `labsupport train --strategy pp --json`
+
+def train(tmp_path, strategy, nproc, *extra, common=COMMON):
+    res = run_cli("train", "--strategy", strategy, "--nproc", nproc, "--json", *common,
+                  "--checkpoint-dir", tmp_path / "ckpt", *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), "single", 1, "--micro-batch", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, order", [("pp", "1f1b"), ("pp", "gpipe"), ("torch-pp", "1f1b"),
+                                             ("torch-pp", "gpipe")])
+def test_training_on_two_stages_matches_single_step_by_step(tmp_path, single, strategy, order):
+    out = train(tmp_path, strategy, 2, "--pp", "2", "--schedule", order, "--microbatches", "4")
+    assert out["parallel"]["pp"] == 2 and out["micro_batch"] == 2
+    assert_same_as_single(out, single)
+    assert out["val_losses"][-1][1] == pytest.approx(single["val_losses"][-1][1], abs=1e-5)
+    assert set(out["comm_groups"][0]) <= {"pp", "embedding"}, "a pipeline talks within its PP group only"
+    if strategy == "pp":  # the last step, action by action, for a measured Gantt chart
+        for rank, events in enumerate(out["pipeline_events"]):
+            expected = [(a.op, a.microbatch, a.chunk) for a in schedule(order, 2, 4)[rank]]
+            assert [tuple(e[2:]) for e in events] == expected
+
+
+MICRO = ["--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
+         "--eval-batches", "1"]
+
+
+@pytest.fixture(scope="module")
+def single_micro(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), "single", 1, "--micro-batch", "2", common=MICRO)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, nproc, extra", [
+    ("pp", 4, ["--schedule", "1f1b"]),
+    ("pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
+    ("torch-pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
+])
+def test_training_on_four_layers_matches_single(tmp_path, single_micro, strategy, nproc, extra):
+    out = train(tmp_path, strategy, nproc, "--pp", nproc, "--microbatches", "4", *extra, common=MICRO)
+    diffs = [abs(a - b) for a, b in zip(out["losses"], single_micro["losses"])]
+    assert len(out["losses"]) == 6 and max(diffs) <= 1e-5, diffs
+    norms = [abs(a - b) / b for a, b in zip(out["grad_norms"], single_micro["grad_norms"])]
+    assert max(norms) <= 1e-4, norms
+
+
+# ---------------------------------------------------------------- bad settings: one line, before any rank starts
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "4", "--pp", "4"], "--pp 4 x --chunks 1 = 4 pipeline chunks must divide the model's 2 layers "
+                                    "(each chunk needs at least one layer)"),
+    (["--nproc", "4", "--pp", "4", "--model", "mini"], "--pp 4 x --chunks 1 = 4 pipeline chunks must divide "
+                                                       "the model's 6 layers"),
+    (["--nproc", "2", "--pp", "2", "--microbatches", "3"],
+     "--microbatches 3 must divide the 16 sequences each data-parallel rank gets per step"),
+    (["--nproc", "2", "--pp", "2", "--microbatches", "2", "--micro-batch", "2"],
+     "--micro-batch 2 x --microbatches 2 must equal the 16 sequences each data-parallel rank gets per step"),
+    (["--nproc", "2", "--pp", "2", "--chunks", "2", "--model", "micro"],
+     "--chunks 2 needs --schedule interleaved"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--model", "micro", "--microbatches", "2"],
+     "--schedule interleaved needs --pp 2 or more and --chunks 2 or more"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--model", "micro",
+      "--microbatches", "1"], "--schedule interleaved runs micro-batches in groups of --pp 2, but a step has 1"),
+    (["--nproc", "2", "--pp", "2", "--strategy", "torch-pp", "--microbatches", "1"],
+     "torch's 1f1b schedule needs at least --pp 2 micro-batches per step, but a step has 1"),
+    (["--nproc", "2", "--pp", "2", "--global-batch", "3"],
+     "the 3 sequences each data-parallel rank gets per step do not split into --pp 2 micro-batches (the default"),
+    (["--nproc", "2"], "strategy 'pp' splits over pp only, so --dp must be 1 (got 2)"),
+])
+def test_bad_pipeline_arguments_fail_before_start(tmp_path, args, message):
+    res = run_cli("train", "--strategy", "pp", "--model", "nano", *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists(), "no rank started"
+
+
+def test_resuming_with_another_pipeline_degree_is_refused(tmp_path):
+    from labsupport import checkpoint
+    layout = {**ParallelConfig.build(2, "pp", pp=2).layout(), "world_size": 2}
+    checkpoint.save(tmp_path / "ckpt", 4, 0, {"step": 4}, barrier=lambda: None, layout=layout)
+    res = run_cli("train", "--strategy", "pp", "--model", "micro", "--nproc", "4", "--pp", "4", "--resume",
+                  "--checkpoint-dir", tmp_path / "ckpt")
+    assert res.returncode == 2 and "written by pp on 2 rank(s) (dp 1, tp 1, pp 2" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_pipeline_configurations_are_checked_without_ranks():
+    nano = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
+    assert ParallelConfig.build(2, "pp", pp=2, microbatches=4).problems(2, nano, global_batch=8) == []
+    assert ParallelConfig.build(2, "pp", pp=2, microbatches=4).micro_batch_size(8) == 2
+    assert ParallelConfig.build(2, "pp", pp=2).micro_batch_size(8, 4) == 4
+    assert ParallelConfig.build(2, "pp", pp=2).micro_batch_size(8) == 4, "by default one micro-batch per stage"
+    assert ParallelConfig.build(2, "ddp").micro_batch_size(8) == 4, "without a pipeline, the whole share"
