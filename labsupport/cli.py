@@ -183,7 +183,7 @@ def cmd_bench(args) -> int:
         options = {"repeats": args.repeats}
     else:
         options = {"model": args.model, "global_batch": args.global_batch, "bucket_mb": args.bucket_mb,
-                   "repeats": args.repeats, "bucket_sweep": args.bucket_sweep}
+                   "repeats": args.repeats, "bucket_sweep": args.bucket_sweep, "microbatches": args.microbatches}
     summary = run(args.name, nproc=args.nproc, timeout=args.timeout, out=sys.stderr, **options)
     columns = [k for k in ("name", "impl", "bytes", "bucket_mb", "seconds", "busbw_GBps", "ratio")
                if k in summary["rows"][0]]
@@ -240,10 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
     b.add_argument("--repeats", type=int, default=None,
                    help="timed repetitions per variant (launch: rounds of one fresh launch and 7 pool cells)")
-    b.add_argument("--model", default="micro", help="ddp, zero, tp: the CPU preset trained")
-    b.add_argument("--global-batch", type=int, default=16, help="ddp, zero, tp: sequences per step")
+    b.add_argument("--model", default="micro", help="ddp, zero, tp, pp: the CPU preset trained")
+    b.add_argument("--global-batch", type=int, default=16, help="ddp, zero, tp, pp: sequences per step")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp, zero: bucket size of ours and torch's")
     b.add_argument("--bucket-sweep", default=None, help="ddp: extra bucket sizes for ours, e.g. 0.25,1,4")
+    b.add_argument("--microbatches", type=int, default=None, help="pp: micro-batches per step (default 4)")
 
     m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")
     m.add_argument("--model", default=None)

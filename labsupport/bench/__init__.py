@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-BENCHMARKS = ("collectives", "ddp", "zero", "tp", "launch")
+BENCHMARKS = ("collectives", "ddp", "zero", "tp", "pp", "launch")
 
 
 def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:
@@ -31,7 +31,7 @@ def median(xs) -> float:
 
 
 def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb: float, repeats: int,
-                dp: int) -> None:
+                dp: int, microbatches: int | None = None) -> None:
     """What every benchmark that races training steps (race.py) asks of its arguments; `dp` is the
     data-parallel degree its configurations split the global batch over."""
     from ..model import get_preset
@@ -43,6 +43,8 @@ def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb:
         raise ValueError(f"--global-batch {global_batch} must be divisible by the {dp} data-parallel ranks")
     if bucket_mb <= 0 or repeats < 1:
         raise ValueError("--bucket-mb must be > 0 and --repeats >= 1")
+    if microbatches is not None and name != "pp":
+        raise ValueError("--microbatches is for bench pp")
 
 
 def run(name: str, nproc: int = 2, timeout: float | None = 600, out=None, **options) -> dict:

@@ -12,9 +12,10 @@ from .race import main
 VARIANTS = ("naive", "flat", "bucketed", "torch-ddp")
 
 
-def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None) -> None:
+def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None,
+          microbatches=None) -> None:
     from . import check_steps
-    check_steps("ddp", nproc, model, global_batch, bucket_mb, repeats, dp=nproc)
+    check_steps("ddp", nproc, model, global_batch, bucket_mb, repeats, dp=nproc, microbatches=microbatches)
     for mb in _sweep(bucket_sweep):
         if mb <= 0:
             raise ValueError("--bucket-sweep sizes must be > 0")

@@ -38,9 +38,10 @@ def race(rt, configs: dict, model_name: str, global_batch: int, repeats: int) ->
         optimizer = strategy.make_optimizer(model, 1e-3, 0.1)
         step = iter(range(10**9))
 
-        def run(strategy=strategy, model=model, optimizer=optimizer, step=step):
+        def run(strategy=strategy, model=model, optimizer=optimizer, step=step, m=config.microbatches or 1):
             x, y = sampler.local_batch(next(step), *strategy.data_rank())
-            train_step(strategy, model, optimizer, [(x.to(rt.device), y.to(rt.device))], 1.0)
+            micro_batches = list(zip(x.to(rt.device).chunk(m), y.to(rt.device).chunk(m)))  # a pipeline's m
+            train_step(strategy, model, optimizer, micro_batches, 1.0)
 
         def measure_memory(model=model, optimizer=optimizer, run=run):
             peaks = MemoryPeaks(rt.device)
@@ -92,6 +93,7 @@ def main(configs) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--bucket-sweep", default=None)
+    p.add_argument("--microbatches", type=int, default=None)
     args = p.parse_args()
     with init() as rt:
         rows = race(rt, configs(rt.world_size, args), args.model, args.global_batch, args.repeats)

@@ -17,9 +17,10 @@ def configs(world_size: int, args) -> dict[str, ParallelConfig]:
             for pair in PAIRS.items() for name in pair}
 
 
-def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None) -> None:
+def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None,
+          microbatches=None) -> None:
     from . import check_steps
-    check_steps("zero", nproc, model, global_batch, bucket_mb, repeats, dp=nproc)
+    check_steps("zero", nproc, model, global_batch, bucket_mb, repeats, dp=nproc, microbatches=microbatches)
     if bucket_sweep:
         raise ValueError("--bucket-sweep is for bench ddp")
 
