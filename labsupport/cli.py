@@ -1,4 +1,4 @@
-"""`labsupport` on the command line: doctor, launch, train, bench, memory, bubble, jobscript (more arrive with their notebooks).
+"""`labsupport` on the command line: doctor, launch, train, bench, memory, bubble, plan, jobscript (more arrive with their notebooks).
 
 Contract (DESIGN.md 4): every command takes `--json`, and then the last line on stdout is
 one JSON object while human-readable text goes to stderr. A user mistake is one line on
@@ -100,21 +100,26 @@ def cmd_train(args, train_argv: list[str]) -> int:
 
 # ---------------------------------------------------------------- memory
 
-def cmd_memory(args) -> int:
-    from .estimate.memory import estimate_memory
+def _model(args, alternative: str = ""):
+    """The model `memory` and `plan` size: --model PRESET, or the shape flags."""
     from .model import ModelConfig, get_preset
     if args.model:
         cfg = get_preset(args.model)
         if cfg.vocab is None:  # a CPU preset: the vocabulary of the corpus it trains on
             from .data import CharTokenizer, load_text
             cfg = cfg.with_vocab(args.vocab or CharTokenizer.from_text(load_text()).vocab_size)
-    elif args.params:
-        cfg = None
-    else:
-        missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq_len") if getattr(args, f) is None]
-        if missing:
-            raise UsageError("give --model PRESET, --params N, or all of --layers --hidden --heads --vocab --seq-len")
-        cfg = ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
+        return cfg
+    missing = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads", "vocab", "seq_len")
+               if getattr(args, f) is None]
+    if missing:
+        raise UsageError(f"give --model PRESET, {alternative}or all of --layers --hidden --heads --vocab --seq-len "
+                         f"(missing {' '.join(missing)})")
+    return ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
+
+
+def cmd_memory(args) -> int:
+    from .estimate.memory import estimate_memory
+    cfg = None if args.params and not args.model else _model(args, "--params N, ")
     override = None
     flags = {"params": "--param-bytes", "grads": "--grad-bytes", "optimizer": "--optimizer-bytes"}
     given = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
@@ -168,6 +173,100 @@ def cmd_bubble(args) -> int:
                  f"(formula (p-1)/(v*m) = {bubble_over_ideal(args.stages, args.microbatches, chunks):.4g}, "
                  f"(p-1)/(v*m+p-1) = {bubble_fraction(args.stages, args.microbatches, chunks):.1%})")
     _emit(args, "\n".join(lines), result)
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+_MACHINE_FLAGS = {"gpus_per_node": ("--gpus-per-node", "devices_per_node"),
+                  "gpu_memory_gb": ("--gpu-memory-gb", "memory_gb"),
+                  "peak_tflops": ("--peak-tflops", "peak_tflops_bf16"),
+                  "intra_node_gbps": ("--intra-node-gbps", "intra_gbps"),
+                  "inter_node_gbps": ("--inter-node-gbps", "inter_gbps")}
+
+
+def _plan_machine(args):
+    """The --machine preset with the explicit values put over it, or a machine made of them alone."""
+    from dataclasses import replace
+
+    from .estimate.machines import INTER_ALPHA_S, INTRA_ALPHA_S, Machine
+    from .estimate.planner import MACHINE_NAMES
+    given = {field: getattr(args, arg) for arg, (_, field) in _MACHINE_FLAGS.items() if getattr(args, arg) is not None}
+    if args.machine:
+        return replace(MACHINE_NAMES[args.machine], **given)
+    missing = [flag for arg, (flag, _) in _MACHINE_FLAGS.items() if getattr(args, arg) is None]
+    if missing:
+        raise UsageError(f"give --machine {'|'.join(MACHINE_NAMES)}, or describe the machine in full "
+                         f"(missing {' '.join(missing)})")
+    return Machine("custom", intra_alpha_s=INTRA_ALPHA_S, inter_alpha_s=INTER_ALPHA_S, **given)
+
+
+def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
+    """The --emit text (Megatron-DeepSpeed arguments, or a job script running them) and its JSON keys."""
+    import shlex
+
+    from .estimate.planner import deepspeed_config, megatron_arguments
+    megatron = megatron_arguments(best, cfg, global_batch, args.precision)
+    ds_config = deepspeed_config(best, global_batch, args.precision)
+    if args.emit == "megatron":
+        text = (f"# ds_config.json: {json.dumps(ds_config)}\n"
+                f"pretrain_gpt.py {shlex.join(megatron)}")
+        return text, {"megatron_args": megatron, "ds_config": ds_config}
+    from .jobscript import render
+    per_node = min(machine.devices_per_node, best.gpus)
+    if best.gpus % per_node:
+        raise UsageError(f"{best.gpus} GPUs do not fill whole nodes of {per_node}; give a multiple of {per_node}")
+    script = render(args.scheduler, best.gpus // per_node, per_node, ["python", "pretrain_gpt.py", *megatron],
+                    account=args.account, frontier=args.scheduler == "slurm" and args.machine == "frontier")
+    return (f"ds_config.json beside it: {json.dumps(ds_config)}\n{script}",
+            {"megatron_args": megatron, "ds_config": ds_config, "jobscript": script})
+
+
+def cmd_plan(args) -> int:
+    from .estimate.params import count_params
+    from .estimate.planner import describe, plan, search, step_flops, why
+    cfg, machine = _model(args), _plan_machine(args)
+    global_batch = args.global_batch if args.global_batch is not None else args.gpus
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1 (got {args.top})")
+    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "micro_batch", "zero", "recompute")
+             if getattr(args, k) is not None}
+    options = dict(precision=args.precision, efficiency=args.efficiency, **fixed)
+    configs = plan(cfg, machine, args.gpus, global_batch, **options)
+    best = configs[0]
+    tokens = global_batch * cfg.seq_len
+    lines = [f"{cfg.name}: {args.gpus} GPUs of {machine.name} ({machine.memory_gb:g} GB, "
+             f"{machine.peak_tflops_bf16:g} TFLOP/s), global batch {global_batch} x {cfg.seq_len} tokens; "
+             f"{len(configs)} layouts fit, the {min(args.top, len(configs))} fastest:",
+             f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} "
+             f"{'step s':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11}"]
+    for i, c in enumerate(configs[:args.top], 1):
+        achieved = step_flops(cfg, global_batch, c.recompute) / c.step_time_s / c.gpus / 1e12
+        lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
+                     f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {tokens / c.step_time_s:>10.4g} "
+                     f"{achieved:>11.4g}")
+    lines.append("Why #1:")
+    lines += ["  " + line for line in why(best, cfg, machine, args.gpus, global_batch, args.precision, args.efficiency)]
+    for i, c in enumerate(configs[1:3], 2):
+        lines.append(f"#{i}: {describe(c)}, {c.step_time_s / best.step_time_s - 1:+.1%} step time.")
+    payload = {"n_params": count_params(cfg),
+               "gpus": args.gpus, "global_batch": global_batch, "machine": vars(machine).copy(),
+               "configs": [c.to_json() for c in configs[:args.top]]}
+    if args.search:
+        trajectory = search(cfg, machine, args.gpus, global_batch, args.search, args.seed, **options)
+        lines.append(f"random search, {len(trajectory)} samples (seed {args.seed}): sample, layout, step s "
+                     f"(oom: does not fit), best so far")
+        for s in trajectory:
+            step = f"{s.step_time_s:.4g}" if s.step_time_s is not None else "oom"
+            best_s = f"{s.best_s:.4g}" if s.best_s is not None else "-"
+            lines.append(f"{s.index:>4} {describe(s.config):<70} {step:>9} {best_s:>9}")
+        payload["search"] = [{"index": s.index, **s.config.to_json(), "step_time_s": s.step_time_s,
+                              "best_s": s.best_s} for s in trajectory]
+    if args.emit:
+        text, keys = _emit_plan(args, best, cfg, machine, global_batch)
+        lines.append(text)
+        payload.update(keys)
+    _emit(args, "\n".join(lines), payload)
     return 0
 
 
@@ -277,6 +376,32 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--chunks", type=int, default=None, help="model chunks v per stage (interleaved; default 2)")
     bu.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time (default 2)")
 
+    from .estimate.planner import EFFICIENCY, MACHINE_NAMES
+    pl = sub.add_parser("plan", help="rank DP x TP x PP layouts of a model on a machine by predicted step time")
+    pl.add_argument("--model", default=None, help="a preset, or give the shape with --layers ... --seq-len")
+    for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
+        pl.add_argument(f"--{flag}", type=int, default=None)
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--machine", choices=list(MACHINE_NAMES), default=None,
+                    help="a node preset; the flags below override its values")
+    for arg, (flag, _) in _MACHINE_FLAGS.items():
+        pl.add_argument(flag, dest=arg, type=int if arg == "gpus_per_node" else float, default=None)
+    pl.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: one per GPU)")
+    pl.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed")
+    pl.add_argument("--efficiency", type=float, default=EFFICIENCY,
+                    help=f"fraction of peak FLOP/s the matmuls reach (default {EFFICIENCY})")
+    for flag in ("dp", "tp", "pp", "micro-batch"):
+        pl.add_argument(f"--{flag}", type=int, default=None, help="fix this degree (default: the planner chooses)")
+    pl.add_argument("--zero", type=int, default=None, choices=[0, 1])
+    pl.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
+    pl.add_argument("--top", type=int, default=10, help="how many layouts to show (default 10)")
+    pl.add_argument("--search", type=int, default=0, metavar="N", help="also sample N layouts at random")
+    pl.add_argument("--seed", type=int, default=0, help="seed of --search")
+    pl.add_argument("--emit", choices=["megatron", "jobscript"], default=None,
+                    help="write the best layout's Megatron-DeepSpeed arguments, or a job script running them")
+    pl.add_argument("--scheduler", choices=["slurm", "pbs"], default="slurm", help="--emit jobscript: the scheduler")
+    pl.add_argument("--account", default=None, help="--emit jobscript: project to charge")
+
     from .jobscript import add_arguments as jobscript_arguments
     js = sub.add_parser("jobscript", help="write a Slurm or PBS job script: N nodes x G GPUs, one rank per GPU")
     jobscript_arguments(js)
@@ -319,6 +444,8 @@ def main(argv=None) -> int:
             return cmd_bench(args)
         if args.command == "bubble":
             return cmd_bubble(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "jobscript":
             from .jobscript import run_cli as jobscript_run
             return jobscript_run(args)

@@ -3,13 +3,18 @@
 Every formula here cites the paper it comes from and has a test against a number printed in
 that paper. The notebooks show these predictions beside what `labsupport.metrics` measures.
 
-  params   how many parameters a TinyGPT shape has (exact) and the 12 L d^2 rule of thumb
-  flops    training FLOPs per token (6N + 12 L s d) and datasheet peaks, for MFU
-  memory   bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
+  params            how many parameters a TinyGPT shape has (exact) and the 12 L d^2 rule of thumb
+  flops             training FLOPs per token (6N + 12 L s d) and datasheet peaks, for MFU
+  memory            bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
+  offload           ZeRO-Offload: host bytes and PCIe traffic per step
   comm_cost         alpha-beta time of each collective (ring, tree, ...), nccl-tests bus bandwidth
   collective_steps  which chunk each rank sends at each step of each collective (runtime + widget)
+  tp_comm           tensor (and sequence) parallelism's collectives per step (Shoeybi, Korthikanti)
+  machines          node presets (Frontier, DGX A100 / H100): devices, links, peaks, memory
   schedules         pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as action lists (runtime + widget)
   simulator         times a schedule: Gantt spans, bubble against (p - 1) / (v m), micro-batches in flight
+  planner           ranks dp x tp x pp x micro-batch x ZeRO x recomputation layouts by predicted step time
+  scaling           weak and strong scaling curves from the planner's model, beside the workshop's
 
 Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
 """

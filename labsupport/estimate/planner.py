@@ -1,0 +1,425 @@
+"""The 3D-parallel planner: how to lay out a model's training over a machine's GPUs.
+
+For a model shape, a machine and a number of GPUs, `plan` enumerates every layout
+(dp, tp, pp, micro-batch, ZeRO stage, recomputation) that splits the model evenly, drops those
+that do not fit in a GPU's memory (`memory.estimate_memory`), predicts each one's step time,
+and ranks the rest, fastest first. `why` says in words why the best ones win; `explain_no_fit`
+says why a model fits nowhere; `search` samples layouts at random, as the workshop's DeepHyper
+search did, and records its trajectory.
+
+The step time is an additive model, the analysis of Narayanan et al. 2021 ("Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
+
+    step = compute + TP all-reduces + PP sends + DP gradient sync + pipeline bubble
+
+each term priced on the link its group crosses. Ranks are laid out as labsupport's Mesh lays
+them out, TP fastest, then PP, then DP: a TP group is tp consecutive ranks, a pipeline spans
+tp x pp ranks, a DP group all of them. A group whose ranks fit in one node talks over the node's
+links, else over the network (`group_link`). So TP beyond a node pays the network for its
+four all-reduces per layer and micro-batch, and the planner reproduces Narayanan's guidance
+(Sec. 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
+only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) many more
+micro-batches than stages. Only the 1F1B schedule is planned; nothing overlaps communication
+with compute; stages are taken as equal (the embedding and LM head are not placed).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from .comm_cost import all_gather_ring, all_reduce_ring, reduce_scatter_ring
+from .flops import training_flops_per_token
+from .machines import DGX_A100, DGX_H100, FRONTIER, Machine
+from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory
+from .params import count_params
+from .simulator import bubble_over_ideal
+from .tp_comm import layer_comm
+
+# The names `labsupport plan --machine` takes.
+MACHINE_NAMES = {"frontier": FRONTIER, "dgx-a100": DGX_A100, "dgx-h100": DGX_H100}
+
+# The fraction of its peak a GPU's matmuls reach: an assumption. Narayanan et al. 2021, Table 1,
+# report 44-52% of the A100's peak end to end, bubble and communication included, so the matmuls
+# alone run faster; 0.6 puts this model within 10% of the achieved TFLOP/s of Table 1's four
+# largest rows (a test checks).
+EFFICIENCY = 0.6
+# The share of a GPU's memory the estimate may fill: an assumption. estimate_memory leaves out the
+# allocator's fragmentation, communication buffers, the embedding's and logits' activations.
+USABLE_MEMORY = 0.9
+MICRO_BATCHES = (1, 2, 4, 8)
+ZERO_STAGES = (0, 1)
+ACTIVATION_BYTES = 2   # 16-bit activations cross TP and PP links
+
+
+class NoFit(ValueError):
+    """No layout fits: the message says what the leanest one needs."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One layout and what the model predicts for it; times are seconds per optimizer step."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    zero: int
+    recompute: str
+    microbatches: int        # m: micro-batches per step through each pipeline
+    memory_per_gpu: int      # bytes, estimate_memory's total
+    fits: bool               # memory_per_gpu <= USABLE_MEMORY x the GPU's memory
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "step_time_s": self.step_time_s}
+
+
+def check_machine(machine: Machine) -> None:
+    """ValueError, one line, if a value of the machine is missing or not positive."""
+    for field in ("devices_per_node", "intra_gbps", "inter_gbps", "peak_tflops_bf16", "memory_gb"):
+        value = getattr(machine, field, None)
+        if value is None:
+            raise ValueError(f"machine {machine.name!r}: {field} is missing")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"machine {machine.name!r}: {field} must be > 0, got {value!r}")
+    if int(machine.devices_per_node) != machine.devices_per_node:
+        raise ValueError(f"machine {machine.name!r}: devices_per_node must be a whole number, "
+                         f"got {machine.devices_per_node!r}")
+    for field in ("intra_alpha_s", "inter_alpha_s"):
+        value = getattr(machine, field, None)
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"machine {machine.name!r}: {field} must be >= 0, got {value!r}")
+
+
+def recompute_flops_per_token(cfg, recompute: str) -> int:
+    """FLOPs per token that recomputation adds to `flops.training_flops_per_token`.
+
+    full: one more forward pass of every layer, 24 h^2 + 4 s h per token and layer. Narayanan et
+    al. 2021, Sec. 5.1, eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step with full
+    recomputation against 72 B s l h^2 (1 + s/6h + V/12lh) without; the LM head is not recomputed.
+    selective: only the attention core (Q K^T, softmax, dropout, attention over V) runs again,
+    Korthikanti et al. 2022, Sec. 5: its matmuls are 4 s h per token and layer.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+    h, s = cfg.hidden, cfg.seq_len
+    per_layer = {"none": 0, "selective": 4 * s * h, "full": 24 * h * h + 4 * s * h}[recompute]
+    return cfg.n_layers * per_layer
+
+
+def step_flops(cfg, global_batch: int, recompute: str = "none") -> int:
+    """FLOPs the GPUs execute in one optimizer step of `global_batch` sequences."""
+    per_token = training_flops_per_token(cfg) + recompute_flops_per_token(cfg, recompute)
+    return per_token * global_batch * cfg.seq_len
+
+
+def _check_counts(gpus, global_batch) -> None:
+    for name, value in (("gpus", gpus), ("global batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def check_layout(cfg, gpus: int, global_batch: int, dp=None, tp=None, pp=None, micro_batch=None,
+                 zero=None, recompute=None) -> None:
+    """ValueError, one line, for a degree that cannot work; None means "let the planner choose"."""
+    _check_counts(gpus, global_batch)
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro batch", micro_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if tp is not None and cfg.heads % tp:
+        raise ValueError(f"tp {tp} does not divide the {cfg.heads} attention heads; pick a divisor of {cfg.heads}")
+    if pp is not None and cfg.n_layers % pp:
+        raise ValueError(f"pp {pp} does not divide the {cfg.n_layers} layers; pick a divisor of {cfg.n_layers}")
+    given = {name: v for name, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v is not None}
+    product = math.prod(given.values())
+    names = " x ".join(given)
+    if len(given) == 3 and product != gpus:
+        raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {product}, not the {gpus} GPUs; "
+                         f"make their product {gpus}")
+    if gpus % product:
+        raise ValueError(f"{names} = {product} does not divide the {gpus} GPUs; use a multiple of {product} GPUs")
+    if dp is not None and global_batch % (dp * (micro_batch or 1)):
+        raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro-batch = "
+                         f"{dp} x {micro_batch or 1}")
+    if micro_batch is not None and global_batch % micro_batch:
+        raise ValueError(f"global batch {global_batch} is not a multiple of the micro-batch {micro_batch}")
+    if zero is not None and zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} for the planner, got {zero!r}")
+    if zero and dp == 1:
+        raise ValueError("ZeRO-1 on one data-parallel rank shards nothing; use zero 0 or more dp")
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+
+
+def group_link(machine: Machine, span: int) -> tuple[float, float]:
+    """(alpha in s, GB/s) for a group whose ranks lie within `span` consecutive ranks.
+
+    As `machines.link`, and one more condition: such blocks stay inside nodes only when `span`
+    divides the devices per node (a block of 6 on nodes of 8 straddles two nodes every other time).
+    """
+    if machine.devices_per_node % span == 0:
+        return machine.intra_alpha_s, machine.intra_gbps
+    return machine.inter_alpha_s, machine.inter_gbps
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=None, pp=None,
+            micro_batch=None, zero=None, recompute=None):
+    """Every valid (dp, tp, pp, micro_batch, zero, recompute); given values are kept fixed.
+
+    tp divides the heads and either divides the devices per node or spans whole nodes, up to
+    two nodes (so that the cost of TP beyond a node shows); pp divides the layers;
+    dp x tp x pp = gpus; the global batch splits into dp x micro-batch; ZeRO-1 only with dp > 1.
+    """
+    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute)
+    node = machine.devices_per_node
+    tps = [tp] if tp else [t for t in _divisors(cfg.heads)
+                           if t <= 2 * node and (node % t == 0 or t % node == 0)]
+    pps = [pp] if pp else _divisors(cfg.n_layers)
+    for t in tps:
+        for p in pps:
+            if gpus % (t * p) or (dp and dp * t * p != gpus):
+                continue
+            d = gpus // (t * p)
+            for b in [micro_batch] if micro_batch else MICRO_BATCHES:
+                if global_batch % (d * b):
+                    continue
+                for z in [zero] if zero is not None else ZERO_STAGES:
+                    if z and d == 1:
+                        continue
+                    for r in [recompute] if recompute else RECOMPUTE:
+                        yield d, t, p, b, z, r
+
+
+def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: int, pp: int,
+             micro_batch: int = 1, zero: int = 0, recompute: str = "none", precision: str = "mixed",
+             efficiency: float = EFFICIENCY) -> Config:
+    """Memory and step time of one layout (see the module docstring for the model).
+
+    compute: step_flops / (gpus x peak x efficiency).
+    TP: each layer of a stage, for each of the m micro-batches, the all-reduces of
+      `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h
+      activations; full recomputation repeats the forward's 2), ring all-reduce on group_link(tp).
+    PP: each micro-batch sends its activations to the next stage and its gradient back,
+      b s h / tp bytes per GPU (Narayanan et al. 2021, Sec. 4.1, the scatter/gather
+      optimization), 2 (m + p - 1) messages on the critical path (m in steady state, p - 1 to
+      fill and drain), on group_link(tp x pp).
+    DP: the gradients of this GPU's tp x pp share; ZeRO-0 all-reduces them, ZeRO-1
+      reduce-scatters the gradients and all-gathers the updated parameters, the same volume
+      when both are 16-bit (Rajbhandari et al. 2020, Sec. 7.2.1), on group_link(gpus).
+    bubble: (p - 1) / m of compute + TP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1).
+    """
+    check_machine(machine)
+    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute)
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    m = global_batch // (dp * micro_batch)
+    memory = estimate_memory(cfg, micro_batch=micro_batch, precision=precision, dp=dp, tp=tp, pp=pp,
+                             zero=zero, recompute=recompute)["total"]
+    compute = step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)
+
+    tp_comm = 0.0
+    if tp > 1:
+        alpha, gbps = group_link(machine, tp)
+        passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
+        per_layer = 0.0
+        for phase, ops in layer_comm(micro_batch * cfg.seq_len, cfg.hidden, bytes_per_element=ACTIVATION_BYTES).items():
+            for calls, payload in ops.values():
+                per_layer += passes[phase] * calls * all_reduce_ring(payload / calls, tp, alpha, 1 / (gbps * 1e9))
+        tp_comm = m * (cfg.n_layers // pp) * per_layer
+
+    pp_comm = 0.0
+    if pp > 1:
+        alpha, gbps = group_link(machine, tp * pp)
+        message = micro_batch * cfg.seq_len * cfg.hidden * ACTIVATION_BYTES / tp
+        pp_comm = 2 * (m + pp - 1) * (alpha + message / (gbps * 1e9))
+
+    dp_comm = 0.0
+    if dp > 1:
+        alpha, gbps = group_link(machine, gpus)
+        beta = 1 / (gbps * 1e9)
+        share = -(-count_params(cfg, padded=True) // (tp * pp))
+        per = BYTES_PER_PARAM[precision]
+        if zero:
+            dp_comm = (reduce_scatter_ring(share * per["grads"], dp, alpha, beta)
+                       + all_gather_ring(share * per["params"], dp, alpha, beta))
+        else:
+            dp_comm = all_reduce_ring(share * per["grads"], dp, alpha, beta)
+
+    bubble = bubble_over_ideal(pp, m) * (compute + tp_comm)
+    return Config(dp, tp, pp, micro_batch, zero, recompute, m, memory, memory <= usable_bytes(machine),
+                  compute, tp_comm, pp_comm, dp_comm, bubble)
+
+
+def usable_bytes(machine: Machine) -> float:
+    return USABLE_MEMORY * machine.memory_gb * 1e9
+
+
+def _rank_key(c: Config):
+    return c.step_time_s, c.memory_per_gpu   # equal times: the one that leaves more memory free
+
+
+def _all(cfg, machine, gpus, global_batch, precision, efficiency, fixed) -> list[Config]:
+    check_machine(machine)
+    return [evaluate(cfg, machine, gpus, global_batch, d, t, p, b, z, r, precision, efficiency)
+            for d, t, p, b, z, r in layouts(cfg, machine, gpus, global_batch, **fixed)]
+
+
+def plan(cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
+         efficiency: float = EFFICIENCY, **fixed) -> list[Config]:
+    """The layouts that fit, fastest first; NoFit (with the reason) when none does.
+
+    `fixed` pins any of dp, tp, pp, micro_batch, zero, recompute.
+    """
+    configs = _all(cfg, machine, gpus, global_batch, precision, efficiency, fixed)
+    fitting = sorted((c for c in configs if c.fits), key=_rank_key)
+    if not fitting:
+        raise NoFit(explain_no_fit(cfg, machine, gpus, global_batch, precision, configs=configs, **fixed))
+    return fitting
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def describe(c: Config) -> str:
+    """'TP 4 x PP 16 x DP 2, micro-batch 1, ZeRO-1, full recomputation'."""
+    return (f"TP {c.tp} x PP {c.pp} x DP {c.dp}, micro-batch {c.micro_batch}, "
+            f"ZeRO-{c.zero}, {c.recompute} recomputation")
+
+
+def explain_no_fit(cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
+                   configs: list[Config] | None = None, **fixed) -> str:
+    """One line: why no layout fits, naming the leanest one and what it needs per GPU."""
+    if configs is None:
+        configs = _all(cfg, machine, gpus, global_batch, precision, EFFICIENCY, fixed)
+    if not configs:
+        return (f"no layout splits this model over {gpus} GPUs with global batch {global_batch}: tp must divide "
+                f"the {cfg.heads} heads, pp the {cfg.n_layers} layers, dp = gpus / (tp x pp) the global batch; "
+                f"try a GPU count and batch with more divisors")
+    lean = min(configs, key=lambda c: c.memory_per_gpu)
+    return (f"fits nowhere on {gpus} x {machine.memory_gb:g} GB: even {describe(lean)} needs "
+            f"{_gb(lean.memory_per_gpu)} per GPU > {_gb(usable_bytes(machine))} usable "
+            f"({USABLE_MEMORY:.0%} of {machine.memory_gb:g} GB); use more GPUs or a smaller model")
+
+
+def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
+        efficiency: float = EFFICIENCY) -> list[str]:
+    """A few sentences on a layout: where its time goes and why each choice was made."""
+    node = machine.devices_per_node
+    total = c.step_time_s
+    lines = [f"{describe(c)}: {_gb(c.memory_per_gpu)} of {_gb(usable_bytes(machine))} usable per GPU; "
+             f"step {total:.3g} s (compute {c.compute_s / total:.0%}, TP {c.tp_comm_s / total:.0%}, "
+             f"PP sends {c.pp_comm_s / total:.0%}, DP sync {c.dp_comm_s / total:.0%}, bubble {c.bubble_s / total:.0%})."]
+    if node % c.tp:
+        lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, 4 per layer and micro-batch, use the "
+                     f"{machine.inter_gbps:g} GB/s network instead of the node's {machine.intra_gbps:g} GB/s links.")
+    elif c.tp > 1:
+        lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its 4 all-reduces per layer and micro-batch use "
+                     f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.3, takeaway #1).")
+    if c.pp > 1:
+        where = "inside a node" if node % (c.tp * c.pp) == 0 else "across nodes"
+        lines.append(f"PP {c.pp} sends only b s h / tp per micro-batch {where}; with m = {c.microbatches} "
+                     f"micro-batches the bubble is (p - 1)/m = {bubble_over_ideal(c.pp, c.microbatches):.1%} "
+                     f"of the work (Narayanan et al. 2021, Sec. 2.2.1: keep m >> p).")
+    if c.dp > 1:
+        lines.append(f"DP {c.dp} syncs the gradients once per step, {c.dp_comm_s:.3g} s.")
+    if c.zero:
+        plain = evaluate(cfg, machine, gpus, global_batch, c.dp, c.tp, c.pp, c.micro_batch, 0, c.recompute,
+                         precision, efficiency)
+        lines.append(f"ZeRO-1 shards the optimizer states over the {c.dp} DP ranks, saving "
+                     f"{_gb(plain.memory_per_gpu - c.memory_per_gpu)} per GPU for the same traffic.")
+    lighter = RECOMPUTE[:RECOMPUTE.index(c.recompute)]
+    if lighter:
+        other = evaluate(cfg, machine, gpus, global_batch, c.dp, c.tp, c.pp, c.micro_batch, c.zero, lighter[-1],
+                         precision, efficiency)
+        instead = "without recomputation" if lighter[-1] == "none" else "with selective recomputation"
+        reason = (f"{instead} this layout would need {_gb(other.memory_per_gpu)}" if not other.fits else
+                  f"{instead} it fits too but is slower here ({other.step_time_s:.3g} s)")
+        lines.append(f"{c.recompute.capitalize()} recomputation: {reason}.")
+    return lines
+
+
+class Sample(NamedTuple):
+    """One step of a search: the layout tried, its step time (None: out of memory), the best so far."""
+
+    index: int
+    config: Config
+    step_time_s: float | None
+    best_s: float | None
+
+
+def search(cfg, machine: Machine, gpus: int, global_batch: int, samples: int, seed: int = 0,
+           precision: str = "mixed", efficiency: float = EFFICIENCY, **fixed) -> list[Sample]:
+    """Try `samples` layouts drawn at random (no repeats, reproducible with `seed`): the trajectory.
+
+    The workshop searched the same space with DeepHyper (Dash et al. 2023, arXiv:2312.12705,
+    Fig. 9) by running each sample for real; here each "run" is `evaluate`, and a layout that does
+    not fit counts as a run that failed out of memory.
+    """
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
+    check_machine(machine)
+    candidates = list(layouts(cfg, machine, gpus, global_batch, **fixed))
+    if not candidates:
+        raise NoFit(explain_no_fit(cfg, machine, gpus, global_batch, precision, configs=[]))
+    rng = random.Random(seed)
+    trajectory, best = [], None
+    for i, layout in enumerate(rng.sample(candidates, min(samples, len(candidates)))):
+        c = evaluate(cfg, machine, gpus, global_batch, *layout, precision=precision, efficiency=efficiency)
+        t = c.step_time_s if c.fits else None
+        if t is not None and (best is None or t < best):
+            best = t
+        trajectory.append(Sample(i, c, t, best))
+    return trajectory
+
+
+def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixed") -> list[str]:
+    """The Megatron-DeepSpeed arguments of `pretrain_gpt.py` that run layout `c` (the workshop's flags).
+
+    Full recomputation is Megatron-DeepSpeed's `--checkpoint-activations` (the flag the workshop's
+    Table VI names; DeepSpeed's activation checkpointing hooks into it), selective is Megatron-LM's
+    `--recompute-granularity selective`. The ZeRO stage also goes in the DeepSpeed config
+    (`deepspeed_config`).
+    """
+    args = ["--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
+            "--num-layers", cfg.n_layers, "--hidden-size", cfg.hidden, "--num-attention-heads", cfg.heads,
+            "--seq-length", cfg.seq_len, "--max-position-embeddings", cfg.seq_len,
+            "--micro-batch-size", c.micro_batch, "--global-batch-size", global_batch]
+    if precision != "fp32":
+        args.append(f"--{_half(precision)}")
+    args += {"none": [], "selective": ["--recompute-granularity", "selective"],
+             "full": ["--checkpoint-activations", "--checkpoint-num-layers", 1]}[c.recompute]
+    args += ["--deepspeed", "--deepspeed_config", "ds_config.json", "--zero-stage", c.zero]
+    return [str(a) for a in args]
+
+
+def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> dict:
+    """The ds_config.json that goes with `megatron_arguments`: batch sizes, ZeRO stage, precision."""
+    config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": c.micro_batch,
+              "zero_optimization": {"stage": c.zero}}
+    if precision != "fp32":
+        config[_half(precision)] = {"enabled": True}
+    return config
+
+
+def _half(precision: str) -> str:
+    """The 16-bit format of a memory recipe: fp16 for Megatron's fp16 recipe (the workshop's), else bf16."""
+    return "fp16" if precision == "megatron-fp16" else "bf16"

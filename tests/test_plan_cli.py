@@ -1,0 +1,89 @@
+"""`labsupport plan`: the ranked layouts as JSON (DESIGN.md 4), the explanation, --search, --emit, one-line mistakes."""
+import json
+
+import pytest
+
+from labsupport.cli import main
+
+CONTRACT = {"dp", "tp", "pp", "micro_batch", "zero", "recompute", "memory_per_gpu", "step_time_s", "fits"}
+FRONTIER_175B = ["--model", "175b", "--gpus", "128", "--machine", "frontier", "--global-batch", "640"]
+WORKSHOP_175B = [*FRONTIER_175B, "--tp", "4", "--pp", "16", "--micro-batch", "1", "--zero", "1", "--recompute", "full"]
+
+
+def plan(capsys, *args):
+    code = main(["plan", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def plan_json(capsys, *args):
+    code, out, _ = plan(capsys, *args, "--json")
+    assert code == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_json_is_a_ranked_list_with_the_contract_keys(capsys):
+    result = plan_json(capsys, *FRONTIER_175B, "--top", "5")
+    assert result["n_params"] == pytest.approx(175e9, rel=0.02)
+    assert len(result["configs"]) == 5
+    assert all(CONTRACT <= set(c) and c["fits"] for c in result["configs"])
+    times = [c["step_time_s"] for c in result["configs"]]
+    assert times == sorted(times)
+    assert all(c["dp"] * c["tp"] * c["pp"] == 128 for c in result["configs"])
+
+
+def test_human_output_is_a_table_and_the_reasons(capsys):
+    code, out, _ = plan(capsys, *FRONTIER_175B, "--top", "3")
+    assert code == 0
+    assert "3 fastest" in out and "recompute" in out
+    assert "Why #1:" in out and "stays inside a node" in out
+
+
+def test_the_workshop_layout_pinned_emits_its_megatron_arguments(capsys):
+    result = plan_json(capsys, *WORKSHOP_175B, "--emit", "megatron")
+    args = result["megatron_args"]
+    for flag, value in (("--tensor-model-parallel-size", "4"), ("--pipeline-model-parallel-size", "16"),
+                        ("--micro-batch-size", "1"), ("--global-batch-size", "640"), ("--zero-stage", "1")):
+        assert args[args.index(flag) + 1] == value
+    assert "--checkpoint-activations" in args
+    assert result["ds_config"]["zero_optimization"] == {"stage": 1}
+    fp16 = plan_json(capsys, *WORKSHOP_175B, "--precision", "megatron-fp16", "--emit", "megatron")
+    assert "--fp16" in fp16["megatron_args"] and fp16["ds_config"]["fp16"] == {"enabled": True}
+
+
+def test_emit_jobscript_runs_megatron_on_the_layouts_nodes(capsys):
+    result = plan_json(capsys, *WORKSHOP_175B, "--emit", "jobscript")
+    script = result["jobscript"]
+    assert "#SBATCH --nodes=16" in script and "pretrain_gpt.py" in script
+    assert "export FI_CXI_ATS=0" in script  # --frontier's network settings
+    pbs = plan_json(capsys, *WORKSHOP_175B, "--emit", "jobscript", "--scheduler", "pbs")["jobscript"]
+    assert "#PBS" in pbs
+
+
+def test_search_trajectory_is_reproducible(capsys):
+    first = plan_json(capsys, *FRONTIER_175B, "--search", "8", "--seed", "2")["search"]
+    again = plan_json(capsys, *FRONTIER_175B, "--search", "8", "--seed", "2")["search"]
+    assert first == again and [s["index"] for s in first] == list(range(8))
+
+
+def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
+    bigger = plan_json(capsys, *FRONTIER_175B, "--gpu-memory-gb", "128")
+    assert bigger["machine"]["memory_gb"] == 128 and bigger["machine"]["intra_gbps"] == 50
+    custom = plan_json(capsys, "--model", "22b", "--gpus", "16", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+                       "--peak-tflops", "312", "--intra-node-gbps", "300", "--inter-node-gbps", "25")
+    assert custom["configs"][0]["tp"] <= 8
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*FRONTIER_175B, "--dp", "2", "--tp", "4", "--pp", "8"], "dp x tp x pp = 2 x 4 x 8 = 64, not the 128 GPUs"),
+    ([*FRONTIER_175B, "--tp", "5"], "tp 5 does not divide the 96 attention heads"),
+    ([*FRONTIER_175B, "--pp", "7"], "pp 7 does not divide the 96 layers"),
+    ([*FRONTIER_175B, "--gpu-memory-gb", "0"], "memory_gb must be > 0"),
+    (["--model", "175b", "--gpus", "128", "--gpu-memory-gb", "80"], "missing --gpus-per-node"),
+    (["--model", "1t", "--gpus", "64", "--machine", "frontier"], "fits nowhere on 64 x 64 GB"),
+    (["--layers", "4", "--gpus", "8", "--machine", "frontier"], "missing --hidden --heads --vocab --seq-len"),
+])
+def test_mistakes_are_one_line(capsys, args, message):
+    code, out, err = plan(capsys, *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
