@@ -125,11 +125,11 @@ def _run_pair(script, tmp_path) -> list[tuple[int, str]]:
 def test_repeated_runs_never_abort_at_exit(tmp_path):
     """Fresh 2-rank runs of the abort scenario, one after another: every rank exits 0.
 
-    LABSUPPORT_TEARDOWN_RUNS sets how many (default 12, about 4 s each on 2 cores).
+    LABSUPPORT_TEARDOWN_RUNS sets how many (default 8, about 3 s each on 2 cores).
     """
     script = tmp_path / "scenario.py"
     script.write_text(SCENARIO)
-    runs = int(os.environ.get("LABSUPPORT_TEARDOWN_RUNS", "12"))
+    runs = int(os.environ.get("LABSUPPORT_TEARDOWN_RUNS", "8"))
     failures = []
     for run in range(runs):
         for rank, (code, out) in enumerate(_run_pair(script, tmp_path)):
