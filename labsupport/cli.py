@@ -224,7 +224,7 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
 
 def cmd_plan(args) -> int:
     from .estimate.params import count_params
-    from .estimate.planner import describe, plan, search, step_flops, why
+    from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
     if args.top < 1:
@@ -241,7 +241,7 @@ def cmd_plan(args) -> int:
              f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} "
              f"{'step s':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11}"]
     for i, c in enumerate(configs[:args.top], 1):
-        achieved = step_flops(cfg, global_batch, c.recompute) / c.step_time_s / c.gpus / 1e12
+        achieved = tflops_per_gpu(c, cfg, global_batch)
         lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
                      f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {tokens / c.step_time_s:>10.4g} "
                      f"{achieved:>11.4g}")

@@ -299,10 +299,15 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
+def tflops_per_gpu(c: Config, cfg, global_batch: int) -> float:
+    """What each GPU achieves, recomputation included, as Narayanan et al. 2021 count it (Sec. 5.1)."""
+    return step_flops(cfg, global_batch, c.recompute) / c.step_time_s / c.gpus / 1e12
+
+
 def describe(c: Config) -> str:
     """'TP 4 x PP 16 x DP 2, micro-batch 1, ZeRO-1, full recomputation'."""
-    return (f"TP {c.tp} x PP {c.pp} x DP {c.dp}, micro-batch {c.micro_batch}, "
-            f"ZeRO-{c.zero}, {c.recompute} recomputation")
+    recompute = "no recomputation" if c.recompute == "none" else f"{c.recompute} recomputation"
+    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}, micro-batch {c.micro_batch}, ZeRO-{c.zero}, {recompute}"
 
 
 def explain_no_fit(cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",

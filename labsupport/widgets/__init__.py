@@ -17,6 +17,8 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
                 a run's counts beside the prediction (`CommCounterWidget`, `comm_figure`)
   pipeline      a pipeline schedule's Gantt chart, its bubble beside the formula, throughput against m and p
                 (`PipelineWidget`, `gantt_figure`, `throughput_figure`)
+  planner       the fastest dp x tp x pp layouts of a model on a cluster, why the best wins, where each one's
+                step time goes, a random search's trajectory (`PlannerWidget`, `planner_figure`, `plan_for`)
 
 Import the submodule you need, e.g. `from labsupport.widgets.memory import MemoryWidget`;
 nothing is imported here, so loading one widget never pulls in the others' dependencies.

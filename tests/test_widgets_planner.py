@@ -1,0 +1,119 @@
+"""The planner widget: every number is estimate.planner's (plan, why, search, explain_no_fit); no browser needed."""
+import base64
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from labsupport.estimate.planner import (MACHINE_NAMES, explain_no_fit, plan, search, step_flops,  # noqa: E402
+                                         usable_bytes, why)
+from labsupport.model import PRESETS  # noqa: E402
+from labsupport.widgets import planner as pw  # noqa: E402
+from labsupport.widgets import show as sh  # noqa: E402
+
+
+def expected_rows(configs, cfg, global_batch, top=5):
+    best = configs[0].step_time_s
+    return [[str(i), str(c.dp), str(c.tp), str(c.pp), str(c.micro_batch), str(c.zero), c.recompute,
+             f"{c.memory_per_gpu / 1e9:.1f}", f"{c.step_time_s:.4g}",
+             f"{step_flops(cfg, global_batch, c.recompute) / c.step_time_s / c.gpus / 1e12:.4g}",
+             f"{c.step_time_s / best - 1:+.1%}"] for i, c in enumerate(configs[:top], 1)]
+
+
+def test_the_table_and_reasons_are_the_planners():
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=1600)
+    cfg, frontier = PRESETS["175b"], MACHINE_NAMES["frontier"]
+    configs = plan(cfg, frontier, 1024, 1600)
+    assert w.planned.configs == configs and w.rows == expected_rows(configs, cfg, 1600)
+    assert w.text.splitlines()[1:] == why(configs[0], cfg, frontier, 1024, 1600)
+    assert f"{len(configs)} layouts fit, the 5 fastest below" in w.text
+    assert w.table.value.count("<tr>") == 1 + 5 and "TFLOP/s/GPU" in w.table.value
+    assert w.rows[0][-1] == "+0.0%"
+
+
+def test_controls_change_the_table():
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=1600)
+    for name, value in [("machine", "dgx-h100"), ("gpus", 512), ("global_batch", 800), ("model", "22b"), ("zero", 0),
+                        ("recompute", "full")]:
+        before, png = (w.text, w.rows), w.png
+        w.controls[name].value = value
+        o = w.options()
+        cfg = PRESETS[o["model"]]
+        configs = plan(cfg, MACHINE_NAMES[o["machine"]], o["gpus"], o["global_batch"], zero=o["zero"],
+                       recompute=o["recompute"])
+        assert w.rows == expected_rows(configs, cfg, o["global_batch"]), name
+        assert (w.text, w.rows) != before and w.png != png, f"{name} changed nothing"
+    assert {row[5] for row in w.rows} == {"0"} and {row[6] for row in w.rows} == {"full"}  # pinned
+    w.controls["recompute"].value = pw.ANY  # back to the planner's choice
+    assert w.options()["recompute"] is None and w.rows == expected_rows(
+        plan(PRESETS["22b"], MACHINE_NAMES["dgx-h100"], 512, 800, zero=0), PRESETS["22b"], 800)
+
+
+def test_a_model_that_fits_nowhere_says_why_in_one_line():
+    w = pw.PlannerWidget("1t", machine="frontier", gpus=8)
+    reason = explain_no_fit(PRESETS["1t"], MACHINE_NAMES["frontier"], 8, 1600)
+    assert w.planned.no_fit == reason and w.text == reason and "\n" not in w.text
+    assert w.rows == [] and w.table.value == "" and "color:#b00" in w.readout.value
+    assert [t.get_text().replace("\n", " ") for t in w.figure().texts] == [reason]
+    w.controls["samples"].value = 20  # no search on top of a model that does not fit
+    assert w.planned.trajectory == [] and w.text == reason
+    w.controls["gpus"].value = 3072
+    assert w.planned.no_fit.startswith("no layout splits this model over 3072 GPUs with global batch 1600")
+    w.controls["global_batch"].value = 8016  # the workshop's
+    assert w.planned.no_fit is None and len(w.rows) == 5
+
+
+def test_the_figure_splits_the_fastest_step_times_into_their_parts():
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, top=4)
+    parts_ax, memory_ax = w.figure().axes
+    top = w.planned.configs[:4]
+    heights = [p.get_height() for p in parts_ax.patches]
+    assert heights == pytest.approx([getattr(c, part) for part in pw.PARTS for c in top])  # stacked: part by part
+    assert [sum(heights[i::4]) for i in range(4)] == pytest.approx([c.step_time_s for c in top])
+    assert [t.get_text() for t in parts_ax.texts] == [f"{c.step_time_s:.3g} s" for c in top]
+    # the right panel without a search: every fitting layout, and the usable memory as a line
+    assert sum(len(col.get_offsets()) for col in memory_ax.collections) == len(w.planned.configs)
+    (usable,) = memory_ax.get_lines()
+    assert usable.get_xdata()[0] == pytest.approx(usable_bytes(MACHINE_NAMES["frontier"]) / 1e9)
+
+
+def test_search_mode_draws_the_trajectory():
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, samples=50)
+    trajectory = search(PRESETS["175b"], MACHINE_NAMES["frontier"], 1024, 1600, 50, 0)
+    assert w.planned.trajectory == trajectory
+    assert w.text.splitlines()[-1].startswith("Random search, 50 samples (seed 0), "
+                                              f"{sum(s.step_time_s is None for s in trajectory)} out of memory")
+    ax = w.figure().axes[1]
+    assert ax.get_title() == "random search: 50 samples (seed 0)"
+    best_so_far, best_of_all = ax.get_lines()
+    assert list(best_so_far.get_ydata()) == [s.best_s for s in trajectory if s.step_time_s is not None]
+    assert best_of_all.get_ydata()[0] == w.planned.configs[0].step_time_s
+    samples, oom = ax.collections
+    assert len(samples.get_offsets()) + len(oom.get_offsets()) == 50
+    w.controls["samples"].value = 0
+    assert w.planned.trajectory == [] and not w.text.splitlines()[-1].startswith("Random search")
+
+
+def test_static_figure_stands_in_for_the_widget(monkeypatch):
+    w = pw.PlannerWidget("22b", machine="dgx-a100", gpus=64, global_batch=512, samples=30)
+    static = pw.planner_figure("22b", "dgx-a100", 64, 512, samples=30)
+    for drawn, alone in zip(w.figure().axes, static.axes):
+        assert [p.get_height() for p in drawn.patches] == [p.get_height() for p in alone.patches]
+        assert drawn.get_title() == alone.get_title()
+    assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    sh.show(w, w.figure())
+    (bundle,) = shown
+    assert sh.WIDGET_VIEW in bundle and base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+
+
+def test_menus():
+    w = pw.PlannerWidget(gpus=96)  # a count outside the menu joins it
+    assert 96 in w.controls["gpus"].options and all(n % 8 == 0 for n in w.controls["gpus"].options)
+    assert [v for _, v in w.controls["model"].options] == pw.MODELS and "nano" not in pw.MODELS
+    assert [v for _, v in w.controls["machine"].options] == list(MACHINE_NAMES)
+    with pytest.raises(ValueError, match="unknown machine"):
+        pw.plan_for("175b", "summit")
