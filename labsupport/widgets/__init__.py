@@ -17,6 +17,8 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
                 a run's counts beside the prediction (`CommCounterWidget`, `comm_figure`)
   pipeline      a pipeline schedule's Gantt chart, its bubble beside the formula, throughput against m and p
                 (`PipelineWidget`, `gantt_figure`, `throughput_figure`)
+  rank_grid     the dp x pp x tp ranks on nodes, coloured by group, the groups that cross nodes and a run's
+                bytes inside and across them (`RankGridWidget`, `rank_grid_figure`, `layout`)
   planner       the fastest dp x tp x pp layouts of a model on a cluster, why the best wins, where each one's
                 step time goes, a random search's trajectory (`PlannerWidget`, `planner_figure`, `plan_for`)
 

@@ -1,0 +1,324 @@
+"""Where each rank of a dp x pp x tp grid sits: the rank-grid widget and its static figure.
+
+A job's ranks fill its nodes in order: node k holds ranks k*G to k*G + G - 1 (torchrun numbers
+them node by node). Which ranks form a TP, PP or DP group is decided by the rank order, the
+order in which the three coordinates vary. Mesh (parallel/mesh.py) varies TP fastest, so a TP
+group is G-aligned neighbours on one node; vary DP fastest and every TP group straddles nodes,
+and the all-reduces tensor parallelism runs after every layer go over the network.
+
+    layout(dp, tp, pp, G, order)   each rank's (d, p, t) and node, each axis' groups and whether
+                                   each crosses nodes (pure: no torch, no ipywidgets)
+    traffic_split(layout, counts)  a recorded run's per-group wire bytes, inside and across nodes
+    describe(layout, split)        the readout's sentences
+    rank_grid_figure(...)          nodes as boxes of G slots, ranks coloured by group, crossing
+                                   groups outlined in red; with traffic, bytes per group beside it
+    RankGridWidget(...)            controls -> the readout and the figure; .figure() for show()
+"""
+from __future__ import annotations
+
+import html
+from itertools import permutations
+from typing import NamedTuple
+
+from matplotlib import colormaps
+from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
+from matplotlib.ticker import EngFormatter
+
+from ..parallel.mesh import AXES
+from .show import figure_png, notebook_figure_class
+
+ORDER = ("tp", "pp", "dp")  # fastest to slowest: Mesh's rank = (d * pp + p) * tp + t
+ORDERS = [ORDER] + [o for o in permutations(ORDER) if o != ORDER]
+COLOUR_BY = ("tp", "pp", "dp", "all")
+MAX_RANKS = 64  # more cells than this no longer read as a picture
+# The process groups a run counts (comm.group_counts) and the axis whose layout decides their
+# placement: the embedding group is a pipeline's first and last stage (so it crosses nodes when
+# its pipeline does); None is every rank.
+GROUP_AXIS = {"tp": "tp", "pp": "pp", "embedding": "pp", "dp": "dp", "world": None}
+PALETTE = [c for i, c in enumerate(colormaps["tab20"].colors) if i not in (6, 7)]  # red marks crossings
+CROSSING = "#d62728"
+NotebookFigure = notebook_figure_class()
+format_bytes = EngFormatter(unit="B", places=1)
+
+
+class Group(NamedTuple):
+    ranks: tuple[int, ...]  # in order of the axis' coordinate
+    crosses: bool           # its ranks sit on more than one node
+
+
+class Layout(NamedTuple):
+    """The rank grid placed on nodes (what `layout` returns): node k holds ranks k*G to k*G + G - 1."""
+
+    dp: int
+    tp: int
+    pp: int
+    devices_per_node: int
+    order: tuple[str, str, str]  # fastest to slowest
+    coords: tuple[tuple[int, int, int], ...]  # (d, p, t) of each rank
+    groups: dict  # axis -> [Group, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world_size // self.devices_per_node)
+
+    def node(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def rank_at(self, coords: tuple[int, int, int]) -> int:
+        return self.coords.index(tuple(coords))
+
+    def group_of(self, axis: str, rank: int) -> Group:
+        return next(g for g in self.groups[axis] if rank in g.ranks)
+
+    def crossing(self, axis: str) -> list[Group]:
+        return [g for g in self.groups[axis] if g.crosses]
+
+
+def layout(dp: int, tp: int, pp: int, devices_per_node: int, order: tuple[str, ...] = ORDER) -> Layout:
+    """The grid with the axes varying in `order` (fastest first) over nodes of `devices_per_node`."""
+    sizes = {"dp": dp, "tp": tp, "pp": pp, "devices per node": devices_per_node}
+    bad = [f"{name} = {n}" for name, n in sizes.items() if not (isinstance(n, int) and n >= 1)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: each must be a whole number of at least 1")
+    if sorted(order) != sorted(AXES):
+        raise ValueError(f"the rank order {order} must name each of tp, pp and dp once")
+    coords = []
+    for rank in range(dp * pp * tp):
+        c, rest = {}, rank
+        for axis in order:
+            c[axis], rest = rest % sizes[axis], rest // sizes[axis]
+        coords.append((c["dp"], c["pp"], c["tp"]))
+    groups = {}
+    for i, axis in enumerate(AXES):
+        members = {}  # the other two coordinates -> ranks, ascending along this axis (ranks ascend with it)
+        for rank, c in enumerate(coords):
+            members.setdefault(c[:i] + c[i + 1:], []).append(rank)
+        # Nodes hold consecutive ranks, so a group crosses nodes when its first and last rank do.
+        groups[axis] = [Group(tuple(r), r[0] // devices_per_node != r[-1] // devices_per_node)
+                        for _, r in sorted(members.items())]
+    return Layout(dp, tp, pp, devices_per_node, tuple(order), tuple(coords), groups)
+
+
+def traffic_split(lay: Layout, comm_groups: list[dict]) -> dict:
+    """{group name: {"inside": wire bytes, "across": wire bytes}} of one step of a recorded run,
+    summed over ranks, if its ranks had been placed by `lay`.
+
+    `comm_groups` is a `labsupport.train.run(...)` summary's list, rank by rank, of {group: {op:
+    {calls, payload_bytes, wire_bytes}}}. The run's ranks were placed by Mesh, so rank r did the
+    work of the coordinates layout(...).coords[r] in the default order; the same coordinates send
+    the same bytes wherever they sit. A group that spans nodes counts all its bytes as across:
+    its ring's slowest hop, the network, sets its pace.
+    """
+    if len(comm_groups) != lay.world_size:
+        raise ValueError(f"the counters are of {len(comm_groups)} ranks, the grid has {lay.world_size}")
+    recorded = layout(lay.dp, lay.tp, lay.pp, lay.devices_per_node)
+    split = {}
+    for rank, groups in enumerate(comm_groups):
+        here = lay.rank_at(recorded.coords[rank])
+        for name, ops in groups.items():
+            if name not in GROUP_AXIS:
+                raise ValueError(f"the counters name a group {name!r}; the grid knows {', '.join(GROUP_AXIS)}")
+            axis = GROUP_AXIS[name]
+            crosses = lay.nodes > 1 if axis is None else lay.group_of(axis, here).crosses
+            side = split.setdefault(name, {"inside": 0, "across": 0})
+            side["across" if crosses else "inside"] += sum(c["wire_bytes"] for c in ops.values())
+    return {name: split[name] for name in GROUP_AXIS if name in split}
+
+
+def _crossing_sentence(lay: Layout, axis: str) -> str:
+    groups, crossing = lay.groups[axis], lay.crossing(axis)
+    if not crossing:
+        n = len(groups)
+        return f"{axis.upper()} groups stay inside a node ({n} group{'s' * (n > 1)} of {len(groups[0].ranks)})."
+    sentence = (f"{axis.upper()} groups cross nodes: {len(crossing)} of {len(groups)} "
+                f"(e.g. ranks {', '.join(map(str, crossing[0].ranks))})")
+    if axis == "tp":
+        sentence += ", so the all-reduces after every layer run at the network's speed"
+    return sentence + "."
+
+
+def describe(lay: Layout, split: dict | None = None) -> str:
+    """What the layout does: where each axis' groups sit and, with a traffic split, what crosses nodes."""
+    nodes = f"{lay.nodes} node{'s' if lay.nodes > 1 else ''}"
+    text = (f"{lay.world_size} ranks on {nodes} of {lay.devices_per_node} devices, rank order "
+            f"{', '.join(lay.order)} ({lay.order[0]} varies fastest). "
+            + " ".join(_crossing_sentence(lay, axis) for axis in ORDER))
+    if split is not None:
+        total = sum(s["inside"] + s["across"] for s in split.values())
+        across = {name: s["across"] for name, s in split.items() if s["across"]}
+        text += (f" The run's step sends {format_bytes(total)} on the wire; {format_bytes(sum(across.values()))} "
+                 "of it in groups that cross nodes"
+                 + (f" ({', '.join(f'{name} {format_bytes(b)}' for name, b in across.items())})." if across else "."))
+    return text
+
+
+def _draw_cell(ax, lay: Layout, rank: int, x: float, y: float, colour_by: str, outlined: bool) -> None:
+    """One rank: filled by its group's colour (with "all", three bands: TP, PP, DP), labelled rank and (d,p,t)."""
+    axes = ORDER if colour_by == "all" else (colour_by,)
+    band = 0.9 / len(axes)
+    for k, axis in enumerate(axes):
+        group = lay.groups[axis].index(lay.group_of(axis, rank))
+        ax.add_patch(Rectangle((x, y + 0.9 - (k + 1) * band), 0.9, band, facecolor=PALETTE[group % len(PALETTE)],
+                               alpha=0.6, linewidth=0))
+    ax.add_patch(Rectangle((x, y), 0.9, 0.9, fill=False, edgecolor=CROSSING if outlined else "dimgray",
+                           linewidth=3 if outlined else 0.8))
+    d, p, t = lay.coords[rank]
+    ax.text(x + 0.45, y + 0.58, str(rank), ha="center", va="center", fontsize=11, fontweight="bold")
+    ax.text(x + 0.45, y + 0.25, f"({d},{p},{t})", ha="center", va="center", fontsize=7)
+
+
+def _draw_traffic(ax, split: dict) -> None:
+    names = list(split)
+    inside = [split[n]["inside"] for n in names]
+    across = [split[n]["across"] for n in names]
+    ax.bar(names, inside, color="#4C72B0", label="inside a node")
+    ax.bar(names, across, bottom=inside, color="white", edgecolor=CROSSING, hatch="//", label="across nodes")
+    ax.yaxis.set_major_formatter(format_bytes)
+    ax.set_ylabel("wire bytes per step, all ranks")
+    ax.legend(fontsize=8, frameon=False)
+    total = sum(inside) + sum(across)
+    ax.set_title(f"{format_bytes(sum(across))} of {format_bytes(total)}\ncross nodes", fontsize=10,
+                 color=CROSSING if sum(across) else "black")
+
+
+def rank_grid_figure(dp: int = 2, tp: int = 2, pp: int = 2, devices_per_node: int = 4, order: tuple[str, ...] = ORDER,
+                     colour_by: str = "tp", traffic: list[dict] | None = None):
+    """A static Figure of the layout: one row of `devices_per_node` slots per node, each rank
+    coloured by its group along `colour_by` ("all": three bands, TP, PP, DP), the ranks of
+    groups that cross nodes outlined in red (with "all", TP's, the ones that must not). With
+    `traffic` (a run summary's `comm_groups`), a bar panel: wire bytes per group, hatched across nodes."""
+    if colour_by not in COLOUR_BY:
+        raise ValueError(f"colour_by is one of {', '.join(COLOUR_BY)}, not {colour_by!r}")
+    lay = layout(dp, tp, pp, devices_per_node, order)
+    if lay.world_size > MAX_RANKS:
+        raise ValueError(f"{lay.world_size} ranks are too many to draw: at most {MAX_RANKS}")
+    split = None if traffic is None else traffic_split(lay, traffic)
+    g = devices_per_node
+    width = max(5.5, 0.9 * g + 1.2)
+    fig = NotebookFigure(figsize=(width + (3.2 if split else 0), 0.95 * lay.nodes + 1.4), layout="constrained")
+    if split:
+        ax, bytes_ax = fig.subplots(1, 2, width_ratios=[width, 3.2])
+        _draw_traffic(bytes_ax, split)
+    else:
+        ax = fig.subplots()
+    marked = "tp" if colour_by == "all" else colour_by
+    for node in range(lay.nodes):
+        y = -1.3 * node
+        ax.add_patch(FancyBboxPatch((-0.05, y - 0.05), g, 1.0, boxstyle="round,pad=0.08", facecolor="#f2f2f2",
+                                    edgecolor="gray"))
+        ax.text(-0.25, y + 0.45, f"node {node}", ha="right", va="center", fontsize=9)
+        for slot, rank in enumerate(range(node * g, min(node * g + g, lay.world_size))):
+            _draw_cell(ax, lay, rank, slot, y, colour_by, lay.group_of(marked, rank).crosses)
+    ax.set_xlim(-1.3, g + 0.1)
+    ax.set_ylim(-1.3 * (lay.nodes - 1) - 0.25, 1.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if colour_by == "all":
+        counts = ", ".join(f"{a.upper()} {len(lay.crossing(a))} of {len(lay.groups[a])}" for a in ORDER)
+        title = f"groups that cross nodes: {counts}\nbands, top to bottom: TP, PP, DP group"
+    else:
+        title = f"{len(lay.crossing(marked))} of {len(lay.groups[marked])} {marked.upper()} groups cross nodes"
+    ax.set_title(title, fontsize=10, color=CROSSING if lay.crossing(marked) else "black")
+    fig.suptitle(f"dp {dp} x pp {pp} x tp {tp}, rank order {', '.join(lay.order)} (fastest first)\n"
+                 "each cell: rank and (d,p,t)", fontsize=10)
+    if not split:
+        fig.legend(handles=[Patch(facecolor="white", edgecolor=CROSSING, linewidth=3,
+                                  label=f"rank whose {marked.upper()} group crosses nodes")],
+                   loc="outside lower center", frameon=False, fontsize=8)
+    return fig
+
+
+class RankGridWidget:
+    """Controls for dp, tp, pp, devices per node, the rank order and the colouring; shows which
+    groups cross nodes (readout and figure) and, given a run's counters, the bytes that would.
+
+    `RankGridWidget(order=("dp", "pp", "tp"))` in a notebook cell displays it. Its state is
+    inspectable without a browser: set `w.controls["order"].value = ORDER` and `w.layout`,
+    `w.split`, `w.text`, `w.readout.value` and `w.png` follow. `traffic=` takes a run summary
+    (the controls start at its grid) or its `comm_groups` list (taken to be of the grid given);
+    it is shown while dp, tp and pp match it, for any order and node size. Settings that cannot
+    be drawn set `w.error` and say why in the readout.
+    """
+
+    def __init__(self, dp: int = 2, tp: int = 2, pp: int = 2, devices_per_node: int = 4, order: tuple = ORDER,
+                 colour_by: str = "tp", traffic: list | dict | None = None):
+        import ipywidgets as W
+
+        if isinstance(traffic, dict):  # a run summary: its grid and its counters
+            dp, tp, pp = (traffic["parallel"][k] for k in ("dp", "tp", "pp"))
+            traffic = traffic["comm_groups"]
+        self.traffic, self.traffic_grid = traffic, (dp, tp, pp)
+        style = {"description_width": "130px"}
+        c = self.controls = {
+            "dp": W.BoundedIntText(value=dp, min=1, max=MAX_RANKS, description="data parallel", style=style),
+            "tp": W.BoundedIntText(value=tp, min=1, max=MAX_RANKS, description="tensor parallel", style=style),
+            "pp": W.BoundedIntText(value=pp, min=1, max=MAX_RANKS, description="pipeline stages", style=style),
+            "devices_per_node": W.BoundedIntText(value=devices_per_node, min=1, max=MAX_RANKS,
+                                                 description="devices per node", style=style),
+            "order": W.Dropdown(options=[(", ".join(o) + (" (Mesh's)" if o == ORDER else ""), o) for o in ORDERS],
+                                value=tuple(order), description="rank order, fastest first", style=style,
+                                layout=W.Layout(width="380px")),
+            "colour_by": W.ToggleButtons(options=list(COLOUR_BY), value=colour_by, description="colour by",
+                                         style=style),
+        }
+        for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
+            control.add_class(f"labsupport-rankgrid-{name.replace('_', '-')}")
+        self.readout = W.HTML().add_class("labsupport-rankgrid-readout")
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%")).add_class("labsupport-rankgrid-figure")
+        self.widget = W.VBox([W.VBox(list(c.values())), self.readout, self.image])
+        self.widget.add_class("labsupport-rankgrid")
+        self.layout: Layout | None = None
+        self.split: dict | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.png = b""
+        for control in c.values():
+            control.observe(lambda change: self.update(), names="value")
+        self.update()
+
+    def options(self) -> dict:
+        """The current control values as keywords of `rank_grid_figure` (traffic aside)."""
+        return {name: control.value for name, control in self.controls.items()}
+
+    def counted(self) -> list | None:
+        """The run's counters when the grid is theirs, else None."""
+        o = self.options()
+        return self.traffic if (o["dp"], o["tp"], o["pp"]) == self.traffic_grid else None
+
+    def update(self) -> Layout | None:
+        """Redraw from the controls; returns the layout, or None (and sets `error`) if it cannot be drawn."""
+        o, counted = self.options(), self.counted()
+        try:
+            self.png = figure_png(rank_grid_figure(**o, traffic=counted))
+        except ValueError as e:
+            self.layout, self.split, self.error = None, None, str(e)
+            self.text = f"Not a grid to draw: {e}"
+            self.readout.value = f"<span style='color:#b00'>{html.escape(self.text)}</span>"
+            self.image.layout.display = "none"
+            return None
+        self.error = None
+        lay = self.layout = layout(o["dp"], o["tp"], o["pp"], o["devices_per_node"], o["order"])
+        self.split = None if counted is None else traffic_split(lay, counted)
+        self.text = describe(lay, self.split)
+        if self.traffic is not None and counted is None:
+            dp, tp, pp = self.traffic_grid
+            self.text += f" (The counters are of dp {dp} x pp {pp} x tp {tp}: set those back to see them.)"
+        shown = html.escape(self.text)
+        if lay.crossing("tp"):
+            tp_sentence = html.escape(_crossing_sentence(lay, "tp"))
+            shown = shown.replace(tp_sentence, f"<b style='color:#b00'>{tp_sentence}</b>", 1)
+        self.readout.value = f"<div style='max-width:960px'>{shown}</div>"
+        self.image.value = self.png
+        self.image.layout.display = None
+        return lay
+
+    def figure(self):
+        """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`."""
+        return rank_grid_figure(**self.options(), traffic=self.counted())
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)

@@ -1,0 +1,153 @@
+"""The rank-grid widget: Mesh's layout for Mesh's order; a bad order puts TP across nodes. No browser needed."""
+import base64
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from labsupport.parallel.mesh import Mesh, groups_along  # noqa: E402
+from labsupport.widgets import rank_grid as rg  # noqa: E402
+from labsupport.widgets import show as sh  # noqa: E402
+
+BAD_ORDER = ("dp", "pp", "tp")  # DP fastest: notebook 06's find-the-bug lab
+
+
+def counts(wire_bytes: int) -> dict:
+    return {"all_reduce": {"calls": 1, "payload_bytes": wire_bytes, "wire_bytes": wire_bytes}}
+
+
+def outlined(fig) -> int:
+    """How many cells carry the red outline of a crossing group."""
+    return sum(1 for p in fig.axes[0].patches if p.get_linewidth() == 3)
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (3, 2, 4)])
+def test_the_default_order_is_meshs(dp, tp, pp):
+    lay = rg.layout(dp, tp, pp, devices_per_node=4)
+    for rank in range(dp * tp * pp):
+        mesh = Mesh(dp, pp, tp, rank=rank)
+        assert lay.coords[rank] == (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)
+        assert lay.node(rank) == rank // 4
+    for axis in ("dp", "pp", "tp"):
+        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, dp, pp, tp)
+
+
+def test_dp_fastest_puts_every_tp_group_across_nodes():
+    good = rg.layout(dp=2, tp=2, pp=1, devices_per_node=2)
+    assert [g.ranks for g in good.groups["tp"]] == [(0, 1), (2, 3)] and not good.crossing("tp")
+    assert [g.ranks for g in good.crossing("dp")] == [(0, 2), (1, 3)]
+    bad = rg.layout(dp=2, tp=2, pp=1, devices_per_node=2, order=BAD_ORDER)
+    assert bad.coords == ((0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1))
+    assert bad.groups["tp"] == [rg.Group((0, 2), True), rg.Group((1, 3), True)]
+    assert not bad.crossing("dp") and bad.rank_at((1, 0, 1)) == 3 and bad.nodes == 2
+    assert "TP groups cross nodes: 2 of 2 (e.g. ranks 0, 2)" in rg.describe(bad)
+    assert "TP groups stay inside a node (2 groups of 2)." in rg.describe(good)
+    with pytest.raises(ValueError, match="each of tp, pp and dp once"):
+        rg.layout(2, 2, 1, 2, order=("tp", "tp", "dp"))
+    with pytest.raises(ValueError, match="tp = 0"):
+        rg.layout(2, 0, 1, 2)
+
+
+def test_traffic_follows_the_coordinates_to_their_new_place():
+    """pp 3 x tp 2 on nodes of 4: Mesh's order keeps TP inside; with PP fastest the TP groups
+    are (0, 3), (1, 4), (2, 5), and two of them cross. Rank r of the run sends 10^r bytes in its
+    TP group, so the split shows which coordinates moved where."""
+    run = [{"tp": counts(10**rank), "pp": counts(7), "embedding": counts(1)} for rank in range(6)]
+    mesh_order = rg.layout(1, 2, 3, 4)
+    assert rg.traffic_split(mesh_order, run) == {"tp": {"inside": 111111, "across": 0},
+                                                 "pp": {"inside": 0, "across": 42},
+                                                 "embedding": {"inside": 0, "across": 6}}
+    pp_fastest = rg.layout(1, 2, 3, 4, order=("pp", "tp", "dp"))
+    assert [g.crosses for g in pp_fastest.groups["tp"]] == [False, True, True]
+    # the crossing groups hold (p, t) = (1, 0), (1, 1), (2, 0), (2, 1): the run's ranks 2 to 5
+    assert rg.traffic_split(pp_fastest, run)["tp"] == {"inside": 1 + 10, "across": 10**2 + 10**3 + 10**4 + 10**5}
+    one_node = rg.layout(1, 2, 3, 8)
+    assert rg.traffic_split(one_node, [{"world": counts(5)}] * 6) == {"world": {"inside": 30, "across": 0}}
+    assert rg.traffic_split(mesh_order, [{"world": counts(5)}] * 6) == {"world": {"inside": 0, "across": 30}}
+    with pytest.raises(ValueError, match="of 2 ranks, the grid has 6"):
+        rg.traffic_split(mesh_order, run[:2])
+    with pytest.raises(ValueError, match="group 'group42'"):
+        rg.traffic_split(mesh_order, [{"group42": counts(1)}] * 6)
+
+
+def test_controls_update_the_readout_and_the_figure():
+    w = rg.RankGridWidget(dp=2, tp=2, pp=2, devices_per_node=4)
+    assert w.layout == rg.layout(2, 2, 2, 4) and w.text == rg.describe(w.layout)
+    assert "DP groups cross nodes: 4 of 4" in w.text and "TP groups cross" not in w.text
+    pngs = {w.png}
+    w.controls["order"].value = BAD_ORDER
+    assert "TP groups cross nodes: 4 of 4 (e.g. ranks 0, 4)" in w.text and w.png not in pngs
+    assert "<b style='color:#b00'>TP groups cross nodes" in w.readout.value
+    pngs.add(w.png)
+    for name, value in [("colour_by", "all"), ("devices_per_node", 8), ("pp", 1), ("dp", 4)]:
+        w.controls[name].value = value
+        assert w.png not in pngs, f"{name} = {value} did not redraw"
+        pngs.add(w.png)
+    assert w.layout == rg.layout(4, 2, 1, 8, BAD_ORDER) and "TP groups stay inside a node" in w.text
+    assert [label for label, _ in w.controls["order"].options][0] == "tp, pp, dp (Mesh's)"
+
+    w.controls["dp"].value = 64  # 128 ranks: said, not raised
+    assert w.layout is None and "too many to draw: at most 64" in w.error
+    assert w.text.startswith("Not a grid to draw") and "color:#b00" in w.readout.value
+    assert w.image.layout.display == "none"
+    w.controls["dp"].value = 2
+    assert w.error is None and w.image.layout.display is None
+
+
+def test_a_runs_counters_are_split_while_the_grid_is_theirs():
+    comm_groups = [{"tp": counts(1000), "dp": counts(100)} for _ in range(4)]
+    summary = {"parallel": {"dp": 2, "tp": 2, "pp": 1}, "comm_groups": comm_groups}
+    w = rg.RankGridWidget(devices_per_node=2, traffic=summary)
+    assert (w.controls["dp"].value, w.controls["tp"].value, w.controls["pp"].value) == (2, 2, 1)
+    assert w.split == {"tp": {"inside": 4000, "across": 0}, "dp": {"inside": 0, "across": 400}}
+    assert "sends 4.4 kB on the wire; 400.0 B of it in groups that cross nodes (dp 400.0 B)." in w.text
+    w.controls["order"].value = BAD_ORDER
+    assert w.split == {"tp": {"inside": 0, "across": 4000}, "dp": {"inside": 400, "across": 0}}
+    bytes_ax = w.figure().axes[1]
+    assert [p.get_height() for p in bytes_ax.patches] == [0, 400, 4000, 0]  # inside bars, then across on top
+    assert bytes_ax.get_title() == "4.0 kB of 4.4 kB\ncross nodes"
+    w.controls["pp"].value = 2
+    assert w.split is None and len(w.figure().axes) == 1
+    assert w.text.endswith("(The counters are of dp 2 x pp 1 x tp 2: set those back to see them.)")
+    bare = rg.RankGridWidget(dp=2, tp=2, pp=1, devices_per_node=2, traffic=comm_groups)
+    assert bare.split == {"tp": {"inside": 4000, "across": 0}, "dp": {"inside": 0, "across": 400}}
+
+
+def test_static_figure_stands_in_for_the_widget(monkeypatch):
+    w = rg.RankGridWidget(dp=2, tp=2, pp=1, devices_per_node=2, order=BAD_ORDER)
+    fig = w.figure()
+    assert fig.axes[0].get_title() == "2 of 2 TP groups cross nodes" and outlined(fig) == 4
+    assert fig.get_suptitle().startswith("dp 2 x pp 1 x tp 2, rank order dp, pp, tp (fastest first)")
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert labels[:3] == ["node 0", "0", "(0,0,0)"] and "(1,0,1)" in labels
+    good = rg.rank_grid_figure(2, 2, 1, 2, colour_by="dp")
+    assert good.axes[0].get_title() == "2 of 2 DP groups cross nodes" and outlined(good) == 4
+    assert outlined(rg.rank_grid_figure(2, 2, 1, 2)) == 0
+    everything = rg.rank_grid_figure(2, 2, 1, 2, order=BAD_ORDER, colour_by="all")
+    assert everything.axes[0].get_title().startswith("groups that cross nodes: TP 2 of 2, PP 0 of 4, DP 0 of 2")
+    with pytest.raises(ValueError, match="colour_by is one of"):
+        rg.rank_grid_figure(colour_by="ep")
+    assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    sh.show(w, w.figure())
+    (bundle,) = shown
+    assert sh.WIDGET_VIEW in bundle and base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_real_runs_counters_read_back():
+    """`labsupport.train.run` on 2 TP ranks, one device per node: all of its traffic crosses nodes."""
+    from labsupport.train import run
+
+    res = run(strategy="tp", nproc=2, tp=2, model="nano", steps=1, global_batch=2, micro_batch=1,
+              sample_chars=0, eval_batches=0)
+    w = rg.RankGridWidget(devices_per_node=1, traffic=res)
+    assert w.layout == rg.layout(1, 2, 1, 1)
+    sent = sum(c["wire_bytes"] for rank in res["comm_groups"] for c in rank["tp"].values())
+    assert sent > 0 and w.split == {"tp": {"inside": 0, "across": sent}}
+    w.controls["devices_per_node"].value = 2
+    assert w.split == {"tp": {"inside": sent, "across": 0}}
