@@ -398,3 +398,12 @@ def wait_for_text(locator, expected: str, timeout_s: float = 15) -> str:
         if time.monotonic() > deadline:
             raise AssertionError(f"after {timeout_s:.0f} s the text is\n{text}\nexpected\n{expected}")
         time.sleep(0.1)
+
+
+def wait_for_redraw(figure, before: str, what: str, timeout_s: float = 10) -> None:
+    """Wait until the figure's image differs from `before`: the picture is a message of its own,
+    arriving after the readout's."""
+    deadline = time.monotonic() + timeout_s
+    while figure.get_attribute("src") == before:
+        assert time.monotonic() < deadline, f"the figure was not redrawn after {what}"
+        time.sleep(0.1)

@@ -5,16 +5,18 @@ To cover a stored notebook, add a test like the one below that calls
 `run_notebook_in_browser(page, lab, "00_setup_and_collectives.ipynb")` and then drives the
 widget it displays; the `lab` fixture serves a copy of notebooks/.
 """
-import time
 
 import pytest
 
 from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
-                     tagged_processes, wait_for_text, write_notebook)
+                     tagged_processes, wait_for_redraw, wait_for_text, write_notebook)
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
+from labsupport.widgets.comm_counter import CommCounterWidget
 from labsupport.widgets.memory import MemoryWidget, verdict
 from labsupport.widgets.pipeline import PipelineWidget
+from labsupport.widgets.planner import HEADER, PlannerWidget
+from labsupport.widgets.rank_grid import RankGridWidget
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -96,10 +98,7 @@ def test_memory_widget_verdict_follows_its_controls_in_jupyterlab(lab, page, req
             act()
             expected.controls[name].value = value
             wait_for_text(shown, expected_verdict())
-            deadline = time.monotonic() + 10  # the picture is a message of its own, after the verdict's
-            while figure.get_attribute("src") == before:
-                assert time.monotonic() < deadline, f"the figure was not redrawn after {name} = {value}"
-                time.sleep(0.1)
+            wait_for_redraw(figure, before, f"{name} = {value}")
         assert shown.inner_text().startswith("It fits on one MI250X GCD 64 GB")
 
 
@@ -171,7 +170,88 @@ def test_pipeline_widget_bubble_follows_the_schedule_in_jupyterlab(lab, page, re
         widget.locator(".labsupport-pipeline-schedule button", has_text="interleaved").click()
         expected.controls["schedule"].value = "interleaved"
         assert "idles 15.8%" in wait_for_text(bubble, expected.text)
-        deadline = time.monotonic() + 10  # the picture is a message of its own, after the readout's
-        while figure.get_attribute("src") == before:
-            assert time.monotonic() < deadline, "the Gantt chart was not redrawn for the interleaved schedule"
-            time.sleep(0.1)
+        wait_for_redraw(figure, before, "switching to the interleaved schedule")
+
+
+def test_comm_counter_follows_t_and_the_machine_in_jupyterlab(lab, page, request):
+    expected = CommCounterWidget("22b", tp=8)
+    with artifacts_on_failure(page, request.node.name, lab):
+        write_notebook(lab.root / "comm.ipynb",
+                       "from labsupport.widgets.comm_counter import CommCounterWidget\n"
+                       "w = CommCounterWidget('22b', tp=8)\n"
+                       "w.widget")
+        run_notebook_in_browser(page, lab, "comm.ipynb")
+        widget = page.locator(".labsupport-comm")
+        readout, figure = widget.locator(".labsupport-comm-readout"), widget.locator(".labsupport-comm-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        shown = [wait_for_text(readout, expected.text, timeout_s=30)]
+        assert "fits in one node" in shown[0]
+        steps = [(lambda: widget.locator(".labsupport-comm-tp select").select_option(label="16"), "tp", 16),
+                 (lambda: widget.locator(".labsupport-comm-machine select").select_option("Frontier (MI250X GCD)"),
+                  "machine", "Frontier (MI250X GCD)")]
+        for act, name, value in steps:
+            before = figure.get_attribute("src")
+            act()
+            expected.controls[name].value = value
+            shown.append(wait_for_text(readout, expected.text))
+            assert shown[-1] != shown[-2], f"{name} = {value} changed nothing on the page"
+            wait_for_redraw(figure, before, f"{name} = {value}")
+        mark = readout.locator("b")
+        assert mark.inner_text() == "T = 16 > 8 devices per node: the ring crosses the network"
+        assert "12.5 GB/s per direction" in shown[-1] and f"= {expected.prediction['ratio']:.3g}." in shown[-1]
+
+
+def table_text(w: PlannerWidget) -> str:
+    """The table as Chromium's inner_text renders it: cells joined by tabs, rows by newlines."""
+    return "\n".join("\t".join(row) for row in [HEADER] + w.rows)
+
+
+def test_planner_follows_the_gpus_and_the_machine_in_jupyterlab(lab, page, request):
+    expected = PlannerWidget("175b", machine="frontier", gpus=1024)
+    with artifacts_on_failure(page, request.node.name, lab):
+        write_notebook(lab.root / "planner.ipynb",
+                       "from labsupport.widgets.planner import PlannerWidget\n"
+                       "w = PlannerWidget('175b', machine='frontier', gpus=1024)\n"
+                       "w.widget")
+        run_notebook_in_browser(page, lab, "planner.ipynb")
+        widget = page.locator(".labsupport-planner")
+        readout, table = widget.locator(".labsupport-planner-readout"), widget.locator(".labsupport-planner-table")
+        figure = widget.locator(".labsupport-planner-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        shown = [wait_for_text(readout, expected.text, timeout_s=30)]
+        wait_for_text(table, table_text(expected))
+        steps = [(lambda: widget.locator(".labsupport-planner-gpus select").select_option(label="512"), "gpus", 512),
+                 (lambda: widget.locator(".labsupport-planner-machine select").select_option(label="DGX H100"),
+                  "machine", "dgx-h100")]
+        for act, name, value in steps:
+            before = figure.get_attribute("src")
+            act()
+            expected.controls[name].value = value
+            shown.append(wait_for_text(readout, expected.text))
+            assert shown[-1] != shown[-2], f"{name} = {value} changed nothing on the page"
+            wait_for_text(table, table_text(expected))
+            wait_for_redraw(figure, before, f"{name} = {value}")
+        assert shown[-1].startswith("175b on 512 GPUs of DGX H100 (80 GB")
+
+
+def test_rank_grid_shows_tp_groups_crossing_nodes_in_jupyterlab(lab, page, request):
+    expected = RankGridWidget(dp=2, tp=2, pp=2, devices_per_node=4)
+    with artifacts_on_failure(page, request.node.name, lab):
+        write_notebook(lab.root / "grid.ipynb",
+                       "from labsupport.widgets.rank_grid import RankGridWidget\n"
+                       "w = RankGridWidget(dp=2, tp=2, pp=2, devices_per_node=4)\n"
+                       "w.widget")
+        run_notebook_in_browser(page, lab, "grid.ipynb")
+        widget = page.locator(".labsupport-rankgrid")
+        readout, figure = widget.locator(".labsupport-rankgrid-readout"), widget.locator(".labsupport-rankgrid-figure")
+        figure.wait_for(state="visible", timeout=30_000)
+        before = wait_for_text(readout, expected.text, timeout_s=30)
+        assert "TP groups stay inside a node" in before and "TP groups cross nodes" not in before
+        src = figure.get_attribute("src")
+
+        widget.locator(".labsupport-rankgrid-order select").select_option(label="dp, pp, tp")
+        expected.controls["order"].value = ("dp", "pp", "tp")
+        after = wait_for_text(readout, expected.text)
+        assert readout.locator("b").inner_text().startswith("TP groups cross nodes: 4 of 4")
+        assert "TP groups cross nodes" in after
+        wait_for_redraw(figure, src, "the rank order changed")

@@ -315,6 +315,63 @@ def test_tensor_parallel_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     assert grade("g_backward", template, capsys)[0] == ex.UNSOLVED
 
 
+# ---------------------------------------------------------------- notebook 05: pipeline parallelism
+
+ONE_F_ONE_B_WRONG = [
+    ("min(stages - stage - 1, microbatches)", "microbatches",
+     r"stage 0 runs all 8 forwards before its first backward: that is GPipe, with 8 micro-batches in flight"),
+    ("min(stages - stage - 1, microbatches)", "min(stages - stage, microbatches)",
+     r"stage 0 runs 5 forwards before its first backward, one too many: the warm-up is p - stage - 1 = 3"),
+    ("min(stages - stage - 1, microbatches)", "stages - stage - 1",
+     r"p = 4, m = 2, stage 0 runs F2, but the micro-batches are 0\.\.1: .* min\(p - stage - 1, m\)"),
+    ('[Action("F", j + warmup), Action("B", j)]', '[Action("B", j), Action("F", j + warmup)]',
+     r"stage 0 runs its first backward after 3 forwards, one too few"),
+    ("for j in range(microbatches - warmup, microbatches)]",
+     "for j in reversed(range(microbatches - warmup, microbatches))]",
+     r"backwards in the order \[0, 1, 2, 3, 4, 7, 6, 5\]: oldest first"),
+    ("    return order", "    return order + [Action('SEND_F', 0)]",
+     r"returned SEND_F: list only the computations, F and B"),
+    ("    return order", "    return order[:-1]", r"must run one B per micro-batch 0\.\.7: micro-batch 7 has none"),
+]
+
+
+@pytest.mark.parametrize("old, new, feedback", ONE_F_ONE_B_WRONG)
+def test_one_f_one_b_wrong_orders_get_their_feedback_before_any_rank_runs(old, new, feedback, capsys):
+    status, message = grade("one_f_one_b", mutate("one_f_one_b", old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+def test_one_f_one_b_template_says_not_yet(capsys):
+    template = "def one_f_one_b(stage, stages, microbatches):\n    raise NotImplementedError\n"
+    assert grade("one_f_one_b", template, capsys)[0] == ex.UNSOLVED
+
+
+def test_the_blocking_sends_bug_lab_names_the_stuck_stages_until_fixed(capsys):
+    buggy = ("from labsupport.estimate.schedules import schedule\n\n\n"
+             "def blocking_actions(stage, stages, microbatches):\n"
+             "    return schedule(\"1f1b\", stages, microbatches)[stage]\n")
+    status, out = grade("blocking_actions", buggy, capsys)
+    assert status == ex.BUGGY and "🐞 blocking_actions" in out, out
+    assert "deadlock: stage 0 at SEND_F(micro-batch 1, chunk 0) (to stage 1); stage 1 at SEND_B(micro-batch 0" in out, out
+    both = mutate("blocking_actions", "if stage % 2 == 1:", "if True:")    # both receive first: still stuck
+    status, out = grade("blocking_actions", both, capsys)
+    assert status == ex.BUGGY and "stage 0 at RECV_B(micro-batch 0" in out, out
+    gpipe = buggy.replace('"1f1b"', '"gpipe"')                            # runs, but it is no longer 1F1B
+    status, out = grade("blocking_actions", gpipe, capsys)
+    assert status == ex.BUGGY and "no longer 1F1B's order" in out, out
+    dropped = mutate("blocking_actions", "    return actions", "    return [a for a in actions if a.op != 'SEND_B']")
+    status, out = grade("blocking_actions", dropped, capsys)
+    assert status == ex.BUGGY and "the messages no longer match" in out, out
+    status, out = grade("blocking_actions", solution("blocking_actions"), capsys)
+    assert status == ex.SOLVED and "every blocking SEND finds its RECV" in out, out
+
+
+@pytest.mark.multiprocess
+def test_one_f_one_b_runs_for_real_on_two_ranks(pool2, capsys):
+    status, out = grade("one_f_one_b", solution("one_f_one_b"), capsys)
+    assert status == ex.SOLVED and "on 2 real ranks the executor ran your lists with the dense model's gradients" in out, out
+
+
 @pytest.mark.multiprocess
 def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     from labsupport.pool import ranks

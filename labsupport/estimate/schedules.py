@@ -80,7 +80,7 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list
     """One ordered action list per stage (pipeline rank)."""
     check_schedule_args(name, stages, microbatches, chunks)
     order = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
-    return [_with_communication(order(s, stages, microbatches, chunks), s, stages, chunks)
+    return [with_communication(order(s, stages, microbatches, chunks), s, stages, chunks)
             for s in range(stages)]
 
 
@@ -139,8 +139,9 @@ def _interleaved(stage: int, stages: int, m: int, chunks: int) -> list[Action]:
     return order
 
 
-def _with_communication(order: list[Action], stage: int, stages: int, chunks: int) -> list[Action]:
-    """Put each RECV right before the compute that needs it and each SEND right after the compute.
+def with_communication(order: list[Action], stage: int, stages: int, chunks: int) -> list[Action]:
+    """One stage's compute order (F and B only) with its communication: each RECV right before the
+    compute that needs it, each SEND right after the compute.
 
     With non-blocking sends this cannot deadlock as long as the compute orders are consistent
     (every stage runs micro-batches through a chunk in the same order), which all schedules are.

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # The notebooks' exercise modules, imported on first use (each registers its exercises).
-MODULES = ("nb00_collectives", "nb01_single_device", "nb02_data_parallel", "nb03_zero", "nb04_tensor_parallel")
+MODULES = ("nb00_collectives", "nb01_single_device", "nb02_data_parallel", "nb03_zero", "nb04_tensor_parallel",
+           "nb05_pipeline_parallel")
 
 SOLVED, UNSOLVED, WRONG, BUGGY = "solved", "not solved yet", "wrong", "bug not fixed yet"
 
