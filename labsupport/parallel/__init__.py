@@ -15,7 +15,7 @@ from .config import ConfigError, ParallelConfig
 class Entry(NamedTuple):
     target: str             # "module:Class"
     axes: tuple[str, ...]   # the degrees of ParallelConfig it may set above 1
-    zero: int | None = None  # the ZeRO stage the strategy is (zeroK: K); None: --zero is free (3d will read it)
+    zero: int | None = None  # the ZeRO stage the strategy is (zeroK: K); None: --zero is free (3d reads it)
     default_zero: int = 0    # the stage when --zero is not given, for a strategy where it is free
 
 
@@ -34,6 +34,7 @@ STRATEGIES = {
     "torch-tp": Entry("labsupport.parallel.torch_tp:TorchTP", ("tp",)),
     "pp": Entry("labsupport.parallel.pipeline:PipelineParallel", ("pp",)),
     "torch-pp": Entry("labsupport.parallel.torch_pp:TorchPP", ("pp",)),
+    "3d": Entry("labsupport.parallel.three_d:ThreeD", ("dp", "tp", "pp")),
 }
 
 __all__ = ["STRATEGIES", "ConfigError", "ParallelConfig", "make_strategy", "strategy_names"]

@@ -102,6 +102,12 @@ class ParallelConfig:
         elif entry.zero is not None and self.zero != entry.zero:
             out.append(f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
                        f"leave --zero out or use --strategy zero{self.zero}")
+        elif self.strategy == "3d" and self.zero > 1:
+            out.append(f"strategy '3d' composes ZeRO-1 only (the optimizer states sharded over each DP group): "
+                       f"use --zero 0 or 1, got --zero {self.zero}")
+        elif self.strategy == "3d" and self.zero == 1 and self.dp < 2:
+            out.append("--zero 1 shards the optimizer states over data-parallel ranks, but --dp is 1; "
+                       "use --zero 0 or --dp 2 or more")
         elif self.strategy == "accelerate-fsdp" and self.zero == 1:
             out.append("strategy 'accelerate-fsdp' has no ZeRO-1 (FSDP shards the gradients with the optimizer "
                        "states): use --zero 3 (FULL_SHARD, the default), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD), "
@@ -112,11 +118,14 @@ class ParallelConfig:
                        "(each rank owning everything is 'single'), so use --nproc 2 or more")
         if self.ddp_mode not in DDP_MODES:
             out.append(f"--ddp-mode must be one of {', '.join(DDP_MODES)}, got {self.ddp_mode!r}")
-        elif entry.zero is not None and self.ddp_mode != "bucketed":
+        elif (entry.zero is not None or self.strategy == "3d" and self.zero) and self.ddp_mode != "bucketed":
             out.append(f"strategy {self.strategy!r} reduce-scatters DDP's buckets, so --ddp-mode must be bucketed "
                        f"(got {self.ddp_mode})")
         if not self.bucket_mb > 0:
             out.append(f"--bucket-mb must be > 0, got {self.bucket_mb:g}")
+        if self.strategy == "3d" and self.sequence_parallel:
+            out.append("strategy '3d' does not combine --sequence-parallel yet (activations between stages would "
+                       "hold s/T positions); leave it out, or use --strategy tp")
         if self.schedule not in SCHEDULES:
             out.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.chunks < 1 or (self.microbatches is not None and self.microbatches < 1):

@@ -120,11 +120,13 @@ class DataParallel(torch.nn.Module):
     On construction the group's first rank's parameters and buffers are broadcast, so the
     replicas start identical (`broadcast_init=False` checks that they already are instead).
     Wrapping a module again replaces the earlier wrapper and removes its hooks, so a notebook
-    cell run twice does not all-reduce twice.
+    cell run twice does not all-reduce twice. `own_bucket` parameters travel in a bucket of their
+    own: two wrappers on different modules then cut a parameter they share alike (a pipeline's
+    tied embedding on its first and last stage, whose ZeRO shards must be the same elements).
     """
 
     def __init__(self, module: torch.nn.Module, group=None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 find_unused_parameters: bool = False, broadcast_init: bool = True):
+                 find_unused_parameters: bool = False, broadcast_init: bool = True, own_bucket=()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"DataParallel(mode=...) must be one of {', '.join(MODES)}, got {mode!r}")
@@ -135,6 +137,7 @@ class DataParallel(torch.nn.Module):
         self.module, self.group, self.mode = module, group, mode
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.find_unused_parameters = find_unused_parameters
+        self.own_bucket = {id(p) for p in own_bucket}
         self.sync = True
         self.buckets: list[Bucket] = []
         self.next_bucket = 0
@@ -159,9 +162,13 @@ class DataParallel(torch.nn.Module):
     def _make_buckets(self):
         current, size = [], 0
         for p in reversed(self._trainable()):
+            alone = id(p) in self.own_bucket
+            if alone and current:  # close the bucket before it
+                self.buckets.append(self._new_bucket(current, len(self.buckets)))
+                current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= self.bucket_bytes:
+            if size >= self.bucket_bytes or alone:
                 self.buckets.append(self._new_bucket(current, len(self.buckets)))
                 current, size = [], 0
         if current:

@@ -134,8 +134,8 @@ class PipelineParallel(Strategy):
                             losses.append(loss.detach().float())
                             out = loss / m  # this micro-batch's share of the mean loss
                     outputs[key] = out
-                else:
-                    with comm.phase("backward"):
+                else:  # data parallelism syncs in each chunk's last backward only (`no_sync` before)
+                    with comm.phase("backward"), self.no_sync(model) if action.microbatch < m - 1 else nullcontext():
                         torch.autograd.backward(outputs.pop(key), grads.pop(key, None))
             self.events.append((began - start, comm.now() - start, action.op, action.microbatch, action.chunk))
         sent += self._post(pending, m)
@@ -227,10 +227,14 @@ class PipelineParallel(Strategy):
         logits = self._forward_only(model, x)
         return self.loss_fn(logits, y) if logits is not None else self._no_loss()
 
+    def _last_stage_logits(self, model, idx):
+        """The full logits on the last stage, None on the others (3d gathers its vocabulary shards here)."""
+        return self._forward_only(model, idx)
+
     @torch.no_grad()
     def logits(self, model, idx):
         """Full logits on every rank: the last stage's, broadcast over the pipeline."""
-        out = self._forward_only(model, idx)
+        out = self._last_stage_logits(model, idx)
         if self.config.pp > 1:
             if out is None:
                 out = torch.empty((*idx.shape, self._cfg.padded_vocab), device=self.rt.device)

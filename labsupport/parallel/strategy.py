@@ -3,8 +3,9 @@
 The loop in train.py is the same for every strategy (ARCHITECTURE.md, "The strategy
 interface"). A strategy
 
-1. places the model, in a fixed order: tensor parallel, then the pipeline split, then data
-   parallel / ZeRO (`parallelize`), and makes the optimizer for what this rank holds;
+1. places the model, in a fixed order: the pipeline split, then tensor parallel on each stage's
+   chunks, then data parallel / ZeRO (`parallelize`), and makes the optimizer for what this
+   rank holds;
 2. runs a step's micro-batches forward and backward (`forward_backward`, which a pipeline
    schedule replaces) with the loss it supplies (`loss_fn`), then makes the gradients global
    (`finish_backward`), clips them by their true global norm (`clip_grad_norm_`) and turns this

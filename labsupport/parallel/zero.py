@@ -128,9 +128,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part.flat[off:off + p.numel()].copy_(p.data.reshape(-1))
             p.data = part.flat[off:off + p.numel()].view_as(p)
 
-    def pieces(self) -> list[torch.Tensor]:
-        """This rank's pieces of the parameters (their `.grad` is the shard's gradient)."""
-        return [piece for *_, piece in self._pieces]
+    def pieces(self, of=None) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters, or of the parameters in `of` only (their `.grad`
+        is the shard's gradient)."""
+        keep = None if of is None else {id(p) for p in of}
+        return [piece for _, p, *_, piece in self._pieces if keep is None or id(p) in keep]
 
     def shard_gradients(self) -> None:
         """Give each piece its gradient: from the partition's reduce-scattered shard (ZeRO-2), or
@@ -216,6 +218,15 @@ class ShardedGradientDataParallel(DataParallel):
         return ReduceScatterBucket(params, index, self.group, self.keep_gradients)
 
 
+def sharded_adamw(model: ShardedGradientDataParallel, lr: float, weight_decay: float) -> ShardedOptimizer:
+    """ZeRO-1's optimizer: the loop's AdamW on this rank's shard, whose partitions are the
+    wrapper's buckets (so the shard a bucket delivers is the shard the rank updates)."""
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    groups = decay_groups({id(p): p.dim() for p in params}, weight_decay, params)
+    return ShardedOptimizer(groups, torch.optim.AdamW, model.group,
+                            partitions=[bucket.partition for bucket in model.buckets], lr=lr, betas=BETAS, foreach=False)
+
+
 class ZeRO1(DDPStrategy):
     """`--strategy zero1`: reduce-scattering buckets that keep the full gradients, then a
     ShardedOptimizer over the DP group whose partitions are the buckets (so the shard a bucket
@@ -233,11 +244,7 @@ class ZeRO1(DDPStrategy):
                                            find_unused_parameters=c.find_unused_parameters)
 
     def make_optimizer(self, model, lr, weight_decay):
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        groups = decay_groups({id(p): p.dim() for p in params}, weight_decay, params)
-        self.optimizer = ShardedOptimizer(groups, torch.optim.AdamW, self.mesh.dp_group,
-                                          partitions=[bucket.partition for bucket in model.buckets],
-                                          lr=lr, betas=BETAS, foreach=False)
+        self.optimizer = sharded_adamw(model, lr, weight_decay)
         return self.optimizer
 
     def finish_backward(self, model):
