@@ -13,7 +13,7 @@ from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_c
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
 from labsupport.widgets.comm_counter import CommCounterWidget
-from labsupport.widgets.memory import MemoryWidget, verdict
+from labsupport.widgets.memory import MemoryWidget, preset_label, verdict
 from labsupport.widgets.pipeline import PipelineWidget
 from labsupport.widgets.planner import HEADER, PlannerWidget
 from labsupport.widgets.rank_grid import RankGridWidget
@@ -91,7 +91,7 @@ def test_memory_widget_verdict_follows_its_controls_in_jupyterlab(lab, page, req
             (lambda: widget.locator(".labsupport-memory-device select").select_option("MI250X GCD 64 GB"),
              "device", "MI250X GCD 64 GB"),
             (lambda: widget.locator(".labsupport-memory-model select").select_option(
-                label=MemoryWidget._menu_label("gpt2-xl")), "model", "gpt2-xl"),
+                label=preset_label("gpt2-xl")), "model", "gpt2-xl"),
         ]
         for act, name, value in steps:
             before = figure.get_attribute("src")

@@ -22,13 +22,13 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
 from .collectives import NotebookFigure
-from .memory import MFU, format_bytes, model_shape
+from .memory import MFU, format_bytes, model_shape, preset_label
 from .show import figure_png
 from ..estimate.comm_cost import collective_time
 from ..estimate.flops import training_flops_per_token
 from ..estimate.machines import MACHINES, link
 from ..estimate.tp_comm import total, tp_comm
-from ..model import CPU_PRESETS, PRESETS
+from ..model import PRESETS
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
 BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype
@@ -187,7 +187,7 @@ class CommCounterWidget:
                              f"of {tp_choices(cfg.heads)}")
         style = {"description_width": "170px"}
         c = self.controls = {
-            "model": W.Dropdown(options=[(self._menu_label(n), n) for n in PRESETS], value=cfg.name,
+            "model": W.Dropdown(options=[(preset_label(n), n) for n in PRESETS], value=cfg.name,
                                 description="model", style=style, layout=W.Layout(width="560px")),
             "seq_len": W.BoundedIntText(value=cfg.seq_len, min=1, max=10_000_000, description="sequence length",
                                         style=style),
@@ -221,12 +221,6 @@ class CommCounterWidget:
         for control in c.values():
             control.observe(self._changed, names="value")
         self.update()
-
-    @staticmethod
-    def _menu_label(name: str) -> str:
-        cfg = PRESETS[name]
-        kind = "CPU preset" if name in CPU_PRESETS else "analysis shape"
-        return f"{name} ({kind}: {cfg.n_layers} layers x {cfg.hidden}, {cfg.heads} heads)"
 
     def _model_changed(self, change):
         """A preset brings its own context, and T must divide its heads: keep the largest T that does."""

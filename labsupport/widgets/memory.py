@@ -48,6 +48,13 @@ def corpus_vocab() -> int:
     return CharTokenizer.from_text(load_text()).vocab_size
 
 
+def preset_label(name: str) -> str:
+    """A model menu's entry: 'gpt2 (analysis shape: 12 layers x 768, 12 heads)'."""
+    cfg = PRESETS[name]
+    kind = "CPU preset" if name in CPU_PRESETS else "analysis shape"
+    return f"{name} ({kind}: {cfg.n_layers} layers x {cfg.hidden}, {cfg.heads} heads)"
+
+
 def model_shape(model: str, vocab: int | None = None, seq_len: int | None = None, layers: int | None = None,
                 hidden: int | None = None, heads: int | None = None):
     """The ModelConfig of a preset (CPU presets get `vocab`, default the shipped corpus's), or of
@@ -252,7 +259,7 @@ class MemoryWidget:
             device = CUSTOM
         start_shape = model_shape(model if model not in (CUSTOM, SHAPE) else "22b", vocab)
         style = {"description_width": "110px"}
-        menu = ([(self._menu_label(name), name) for name in PRESETS] + [("custom: a shape", SHAPE)]
+        menu = ([(preset_label(name), name) for name in PRESETS] + [("custom: a shape", SHAPE)]
                 + [("custom: a parameter count", CUSTOM)])
         c = self.controls = {
             "model": W.Dropdown(options=menu, value=model, description="model", style=style),
@@ -308,12 +315,6 @@ class MemoryWidget:
         for control in c.values():
             control.observe(self._changed, names="value")
         self.update()
-
-    @staticmethod
-    def _menu_label(name: str) -> str:
-        cfg = PRESETS[name]
-        kind = "CPU preset" if name in CPU_PRESETS else "analysis shape"
-        return f"{name} ({kind}: {cfg.n_layers} layers x {cfg.hidden})"
 
     def _set(self, name, value):
         self._holding = True

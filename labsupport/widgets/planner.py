@@ -26,6 +26,7 @@ from ..estimate.memory import RECOMPUTE
 from ..estimate.planner import (MACHINE_NAMES, USABLE_MEMORY, ZERO_STAGES, Config, NoFit, Sample, plan, search,
                                 tflops_per_gpu, usable_bytes, why)
 from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
+from .memory import preset_label
 from .show import figure_png, notebook_figure_class
 
 MODELS = [name for name in PRESETS if name not in CPU_PRESETS]  # the analysis shapes: CPU presets have no vocab
@@ -208,7 +209,7 @@ class PlannerWidget:
         self.top = top
         style = {"description_width": "130px"}
         c = self.controls = {
-            "model": W.Dropdown(options=[(self._menu_label(n), n) for n in MODELS], value=model, description="model",
+            "model": W.Dropdown(options=[(preset_label(n), n) for n in MODELS], value=model, description="model",
                                 style=style, layout=W.Layout(width="460px")),
             "machine": W.Dropdown(options=[(m.name, name) for name, m in MACHINE_NAMES.items()], value=machine,
                                   description="machine", style=style, layout=W.Layout(width="460px")),
@@ -232,11 +233,6 @@ class PlannerWidget:
         for control in c.values():
             control.observe(lambda change: self.update(), names="value")
         self.update()
-
-    @staticmethod
-    def _menu_label(name: str) -> str:
-        cfg = PRESETS[name]
-        return f"{name} ({cfg.n_layers} layers x {cfg.hidden}, {cfg.heads} heads)"
 
     def options(self) -> dict:
         """The current control values as keywords of `plan_for`."""
