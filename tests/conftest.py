@@ -1,5 +1,6 @@
 """Shared test helpers: run the CLI, and find processes a run left behind."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,21 @@ def pytest_configure(config):
 def _runs_in_tmp(tmp_path, monkeypatch):
     """Every test writes its run directories under its own tmp dir."""
     monkeypatch.setenv("LABSUPPORT_RUNS", str(tmp_path / "runs"))
+
+
+def planted_copy(module, replacements, path: Path) -> None:
+    """Write `module`'s source to `path` with bugs planted (each (old, new) must occur in it) and its
+    relative imports made absolute, so a test's script can import the copy in place of the real one."""
+    package = module.__package__
+    parent = package.rsplit(".", 1)[0]
+    source = open(module.__file__).read()
+    source = re.sub(r"\bfrom \.\. import", f"from {parent} import", source)
+    source = re.sub(r"\bfrom \.\.(\w)", rf"from {parent}.\1", source)
+    source = re.sub(r"\bfrom \.(\w)", rf"from {package}.\1", source)
+    for old, new in replacements:
+        assert old in source, f"the planted bug's anchor is gone from {module.__name__}: {old!r}"
+        source = source.replace(old, new)
+    path.write_text(source)
 
 
 def run_cli(*args, timeout=300, env=None):

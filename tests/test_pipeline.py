@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import planted_copy, run_cli
 from labsupport.estimate.schedules import schedule
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
@@ -146,11 +146,7 @@ def test_planted_bugs_are_caught(tmp_path, bug):
     """Each bug is planted in a copy of pipeline.py that the script uses instead of the real one."""
     from labsupport.parallel import pipeline
     old, new, expected = BUGS[bug]
-    source = open(pipeline.__file__).read().replace("from .. import", "from labsupport import")
-    source = source.replace("from ..", "from labsupport.").replace("from .strategy",
-                                                                   "from labsupport.parallel.strategy")
-    assert old in source
-    (tmp_path / "planted_pp.py").write_text(source.replace(old, new))
+    planted_copy(pipeline, [(old, new)], tmp_path / "planted_pp.py")
     reports = run_dense(tmp_path, 2, "planted_pp", "1f1b", 1, 4)
     assert any(f.startswith(expected) for rep in reports for f in rep["failures"]), [r["failures"] for r in reports]
 

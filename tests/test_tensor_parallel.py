@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import planted_copy, run_cli
 from labsupport.estimate.tp_comm import total, tp_comm
 from labsupport.launch import launch
 from test_ddp import COMMON, assert_same_as_single
@@ -121,13 +121,7 @@ def test_planted_bugs_are_caught(tmp_path, bug):
     """Each bug is planted in a copy of tensor.py that the script imports instead of the real one."""
     from labsupport.parallel import tensor
     replacements, mode, expected = BUGS[bug]
-    source = open(tensor.__file__).read().replace("from .. import", "from labsupport import")
-    source = source.replace("from ..", "from labsupport.").replace("from .strategy import",
-                                                                   "from labsupport.parallel.strategy import")
-    for old, new in replacements:
-        assert old in source
-        source = source.replace(old, new)
-    (tmp_path / "planted_tp.py").write_text(source)
+    planted_copy(tensor, replacements, tmp_path / "planted_tp.py")
     reports = run_dense(tmp_path, 2, mode, DENSE.replace("from labsupport.parallel import tensor as tp",
                                                          "import planted_tp as tp"))
     assert any(f.startswith(expected) for f in reports[0]["failures"]), reports[0]["failures"]
