@@ -372,15 +372,21 @@ def failure_message(result: RunResult) -> str:
 
 
 def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
-    """Ranks that died in C++ (abort, segfault): faulthandler wrote 'Fatal Python error' and the stack."""
-    out = []
+    """Ranks that died in C++ (abort, segfault): faulthandler wrote 'Fatal Python error' and the stack.
+
+    A crash inside Python code comes first, then by time: a crash with no Python frame at all
+    happened in a backend thread, typically because a peer died first (gloo aborts a rank whose
+    connection was reset)."""
+    crashes = []
     for rank in range(nproc):
         stack = run_dir / f"stack-rank{rank}.txt"
         dump = stack.read_text(errors="replace") if stack.exists() else ""
         if "Fatal Python error" in dump:
             what = dump.split("Fatal Python error:", 1)[1].splitlines()[0].strip()
-            out.append(f"rank {rank} crashed ({what}) in {_innermost_frame(dump)}")
-    return out
+            where = _innermost_frame(dump)
+            crashes.append((not where, stack.stat().st_mtime,
+                            f"rank {rank} crashed ({what}) in {where or 'a backend thread, no Python frame'}"))
+    return [line for *_, line in sorted(crashes)]
 
 
 def _where_ranks_wait(run_dir: Path, nproc: int) -> str:

@@ -1,6 +1,7 @@
 """The launcher: real ranks under torchrun, and every way a run can go wrong leaves nothing behind."""
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, launch, torchrun_magic
+from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, _crashed_ranks, launch, torchrun_magic
 from conftest import processes_of, run_cli
 
 pytestmark = pytest.mark.multiprocess
@@ -86,6 +87,18 @@ def test_a_rank_dying_in_native_code_is_named_with_its_frame(tmp_path):
         launch(script(tmp_path, body), nproc=2, timeout=BOUND_S, run_dir=tmp_path / "run", out=io.StringIO())
     assert str(err.value).startswith("rank 1 crashed (Aborted) in <module> called at job.py:6")
     assert processes_of(tmp_path / "run") == []
+
+
+def test_a_crash_in_python_code_is_named_before_a_peer_that_aborted_in_a_backend_thread(tmp_path):
+    """A peer of the crashed rank may abort too, in gloo's thread, with no Python frame and even
+    before the crashed rank's dump is written: the crash with a frame is the cause, named first."""
+    (tmp_path / "stack-rank0.txt").write_text("Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n"
+                                              "  <no Python frame>\n")
+    os.utime(tmp_path / "stack-rank0.txt", (1, 1))  # the earlier of the two
+    (tmp_path / "stack-rank1.txt").write_text("Fatal Python error: Aborted\n\nCurrent thread 0x2 (most recent call "
+                                              "first):\n  File \"/x/job.py\", line 6 in <module>\n")
+    assert _crashed_ranks(tmp_path, 2) == ["rank 1 crashed (Aborted) in <module> called at job.py:6",
+                                           "rank 0 crashed (Aborted) in a backend thread, no Python frame"]
 
 
 def test_hang_times_out_naming_waiting_ranks(tmp_path):
