@@ -17,6 +17,7 @@ import pytest
 from conftest import run_cli
 from labsupport import checkpoint
 from labsupport.estimate.schedules import schedule
+from labsupport.estimate.tp_comm import total, tp_comm
 from labsupport.parallel import ParallelConfig
 from labsupport.parallel.mesh import Mesh
 
@@ -128,13 +129,6 @@ def test_planted_tied_matrix_in_a_shared_bucket_is_caught(tmp_path, single):
     assert max(abs(a - b) for a, b in zip(out["losses"], single["losses"])) > 1e-4
 
 
-def tp_all_reduces(layers: int, first: bool, last: bool) -> int:
-    """Per micro-batch on one stage (no sequence parallelism): each layer's attention and MLP one g
-    in forward and one f in backward (Megatron's 4 per layer); the vocab-parallel embedding's g on
-    the first stage; the head's f and the loss's two reductions (max, then the sums) on the last."""
-    return 4 * layers + first + 3 * last
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_group_carries_only_its_own_traffic(tmp_path_factory, single):
@@ -153,7 +147,8 @@ def test_each_group_carries_only_its_own_traffic(tmp_path_factory, single):
                for group, by_op in groups.items()}
         assert set(ops) == {"tp", "pp", "dp", "embedding"}, rank
         assert set(ops["tp"]) == {"all_reduce"}
-        assert ops["tp"]["all_reduce"]["calls"] == m * tp_all_reduces(1, first, last) + 1, rank
+        predicted = total(tp_comm(1, hidden, seq, micro, microbatches=m, embedding=first, head=last), 2)
+        assert ops["tp"] == {op: {k: c[k] for k in ("calls", "payload_bytes")} for op, c in predicted.items()}, rank
         sends = sum(a.op.startswith("SEND") for a in schedule("1f1b", 2, m)[mesh.pp_rank])
         assert ops["pp"] == {"send": {"calls": sends, "payload_bytes": sends * activation},
                              "recv": {"calls": sends, "payload_bytes": sends * activation}, "all_reduce": norm}, rank

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import run_cli
 from labsupport.estimate.comm_cost import BUS_FACTOR
-from labsupport.estimate.tp_comm import layer_comm, total, tp_comm
+from labsupport.estimate.tp_comm import NORM_BYTES, layer_comm, total, tp_comm
 
 
 def wire(ops: dict, tp: int) -> float:
@@ -60,3 +60,18 @@ def test_counted_traffic_is_the_prediction(tmp_path, extra, microbatches):
     for rank in range(2):
         assert out["comm_groups"][rank] == {"tp": predicted}, rank
         assert out["comm"][rank] == predicted
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipeline_stages_split_the_whole_models_traffic(sequence_parallel):
+    """A first stage (embedding, no head) and a last stage (head and loss, no embedding) of L layers
+    each send together what the whole 2L-layer model sends, but for the second stage's gradient norm
+    (the TP traffic of notebook 06's 3D runs, stage by stage)."""
+    kw = dict(microbatches=3, sequence_parallel=sequence_parallel)
+    first = total(tp_comm(2, 64, 32, 2, embedding=True, head=False, **kw), 2)
+    last = total(tp_comm(2, 64, 32, 2, embedding=False, head=True, **kw), 2)
+    whole = total(tp_comm(4, 64, 32, 2, **kw), 2)
+    for op, counts in whole.items():
+        extra = NORM_BYTES if op == "all_reduce" else 0
+        assert first.get(op, {}).get("payload_bytes", 0) + last[op]["payload_bytes"] == counts["payload_bytes"] + extra
+    assert first["all_reduce"]["calls"] < last["all_reduce"]["calls"]     # the loss's reductions live on the last stage

@@ -47,11 +47,13 @@ def layer_comm(tokens: int, hidden: int, sequence_parallel: bool = False, bytes_
 
 def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, microbatches: int = 1,
             sequence_parallel: bool = False, bias: bool = True, bytes_per_element: int = 4,
-            grad_bytes: int = 4) -> dict:
+            grad_bytes: int = 4, embedding: bool = True, head: bool = True) -> dict:
     """{phase: {op: {"calls", "payload_bytes"}}} one rank of a TP group sends per optimizer step,
     phases "forward" and "backward" (all micro-batches), "finish" (sequence parallelism's summed
     LayerNorm and bias gradients) and "clip" (the gradient norm). `bytes_per_element` is the
-    activations' (2 under bf16 autocast), `grad_bytes` the gradients'."""
+    activations' (2 under bf16 autocast), `grad_bytes` the gradients'. A pipeline stage holds
+    `n_layers` of the layers, the embedding only on the first stage, the LM head and the loss only
+    on the last (`embedding`, `head`)."""
     tokens = micro_batch * seq_len
     size = tokens * hidden * bytes_per_element
     phases = {name: defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
@@ -65,19 +67,22 @@ def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, micro
         for op, (calls, payload) in ops.items():
             add(phase, op, n_layers * calls * microbatches, n_layers * payload * microbatches)
     for _ in range(microbatches):
-        add("forward", "all_reduce", 1, size)                        # the embedding's rows summed (g)
-        add("forward", "all_reduce", 2, 3 * tokens * LOSS_BYTES)    # the loss: max, then target logit + denominator
-        if sequence_parallel:
-            add("backward", "all_gather", 1, size)                   # the scatter after the embedding
-            add("forward", "all_gather", 1, size)                    # the LM head's input,
-            add("backward", "all_gather", 1, size)                   # again in backward
-            add("backward", "reduce_scatter", 1, size)
-        else:
-            add("backward", "all_reduce", 1, size)                   # the LM head's f
+        if embedding:
+            add("forward", "all_reduce", 1, size)                    # the embedding's rows summed (g)
+            if sequence_parallel:
+                add("backward", "all_gather", 1, size)               # the scatter after the embedding
+        if head:
+            add("forward", "all_reduce", 2, 3 * tokens * LOSS_BYTES)  # the loss: max, then target logit + denominator
+            if sequence_parallel:
+                add("forward", "all_gather", 1, size)                # the LM head's input,
+                add("backward", "all_gather", 1, size)               # again in backward
+                add("backward", "reduce_scatter", 1, size)
+            else:
+                add("backward", "all_reduce", 1, size)               # the LM head's f
     if sequence_parallel:
         norm = 2 * hidden if bias else hidden                        # a LayerNorm's weight (and bias)
         per_layer = 2 * norm + (2 * hidden if bias else 0)           # two LayerNorms, two row-parallel biases
-        add("finish", "all_reduce", 1, (n_layers * per_layer + norm) * grad_bytes)
+        add("finish", "all_reduce", 1, (n_layers * per_layer + (norm if head else 0)) * grad_bytes)
     add("clip", "all_reduce", 1, NORM_BYTES)
     return {name: {op: dict(c) for op, c in ops.items()} for name, ops in phases.items() if ops}
 
