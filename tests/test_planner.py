@@ -1,9 +1,8 @@
 """The planner (estimate/planner.py) and scaling curves (estimate/scaling.py) against published runs.
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", Table 1: GPT models on DGX A100 (80 GB) nodes, sequence 2048, vocabulary 51,200.
-Columns used: parameters (B), heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU.
-Written down from the paper; the micro-batch size is not in the table, so the planner chooses it.
+Megatron-LM", Table 1 (estimate/published.py): GPT models on DGX A100 (80 GB) nodes; the
+micro-batch size is not in the table, so the planner chooses it.
 The workshop's runs (Dash et al. 2023, arXiv:2312.12705, Table VI in the Part III deck) are on
 Frontier's MI250X GCDs (64 GB).
 """
@@ -16,28 +15,17 @@ from labsupport.estimate.comm_cost import all_reduce_ring
 from labsupport.estimate.flops import training_flops_per_token
 from labsupport.estimate.machines import DGX_A100, FRONTIER, Machine
 from labsupport.estimate.params import count_params
-from labsupport.estimate.planner import (NoFit, check_machine, describe, evaluate, explain_no_fit, plan, search,
-                                         step_flops, why)
+from labsupport.estimate.planner import (NoFit, check_machine, deepspeed_config, describe, evaluate, explain_no_fit,
+                                         megatron_arguments, plan, search, step_flops, why)
+from labsupport.estimate.published import NARAYANAN_TABLE_1
 from labsupport.estimate.scaling import WORKSHOP, strong_scaling, weak_scaling
 from labsupport.model import PRESETS, ModelConfig
 
-TABLE_1 = [  # params (B), heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
+TABLE_1 = NARAYANAN_TABLE_1
 
 
 def shape(row):
-    billions, heads, hidden, layers = row[:4]
-    return ModelConfig(f"{billions}B", layers, hidden, heads, 51200, 2048)
+    return row.shape()
 
 
 def test_full_recomputation_flops_are_narayanan_eq_3():
@@ -84,6 +72,25 @@ def test_workshop_175b_fits_only_with_full_recomputation_and_is_competitive():
     best = plan(cfg, FRONTIER, 128, 640)[0]
     assert workshop.fits and workshop.step_time_s <= 1.25 * best.step_time_s
     assert not evaluate(cfg, FRONTIER, 128, 640, recompute="selective", **layout).fits
+
+
+def test_workshop_175b_megatron_arguments_are_the_forks_flags():
+    """The flags of sajal-vt/Megatron-DeepSpeed-ORNL's megatron/arguments.py (and DeepSpeed's
+    --deepspeed, --deepspeed_config); full recomputation as its launch scripts pass it."""
+    cfg = PRESETS["175b"]
+    c = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full",
+                 precision="megatron-fp16")
+    assert megatron_arguments(c, cfg, 640, "megatron-fp16") == [
+        "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "16",
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+        "--seq-length", "2048", "--max-position-embeddings", "2048",
+        "--micro-batch-size", "1", "--global-batch-size", "640", "--fp16",
+        "--deepspeed", "--deepspeed_config", "ds_config.json",
+        "--deepspeed-activation-checkpointing", "--checkpoint-activations", "--checkpoint-num-layers", "1",
+        "--zero-stage", "1"]
+    assert deepspeed_config(c, 640, "megatron-fp16") == {
+        "train_batch_size": 640, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+        "fp16": {"enabled": True}}
 
 
 def test_workshop_1t_fits_and_is_within_2_percent_of_the_best():
