@@ -205,18 +205,18 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
     """The --emit text (Megatron-DeepSpeed arguments, or a job script running them) and its JSON keys."""
     import shlex
 
-    from .estimate.planner import deepspeed_config, megatron_arguments
+    from .estimate.planner import MEGATRON_SCRIPT, deepspeed_config, megatron_arguments
     megatron = megatron_arguments(best, cfg, global_batch, args.precision)
     ds_config = deepspeed_config(best, global_batch, args.precision)
     if args.emit == "megatron":
         text = (f"# ds_config.json: {json.dumps(ds_config)}\n"
-                f"pretrain_gpt.py {shlex.join(megatron)}")
+                f"{MEGATRON_SCRIPT} {shlex.join(megatron)}")
         return text, {"megatron_args": megatron, "ds_config": ds_config}
     from .jobscript import render
     per_node = min(machine.devices_per_node, best.gpus)
     if best.gpus % per_node:
         raise UsageError(f"{best.gpus} GPUs do not fill whole nodes of {per_node}; give a multiple of {per_node}")
-    script = render(args.scheduler, best.gpus // per_node, per_node, ["python", "pretrain_gpt.py", *megatron],
+    script = render(args.scheduler, best.gpus // per_node, per_node, ["python", MEGATRON_SCRIPT, *megatron],
                     account=args.account, frontier=args.scheduler == "slurm" and args.machine == "frontier")
     return (f"ds_config.json beside it: {json.dumps(ds_config)}\n{script}",
             {"megatron_args": megatron, "ds_config": ds_config, "jobscript": script})

@@ -45,7 +45,7 @@ def test_the_workshop_layout_pinned_emits_its_megatron_arguments(capsys):
     for flag, value in (("--tensor-model-parallel-size", "4"), ("--pipeline-model-parallel-size", "16"),
                         ("--micro-batch-size", "1"), ("--global-batch-size", "640"), ("--zero-stage", "1")):
         assert args[args.index(flag) + 1] == value
-    assert "--checkpoint-activations" in args
+    assert "--deepspeed-activation-checkpointing" in args and "--checkpoint-activations" in args
     assert result["ds_config"]["zero_optimization"] == {"stage": 1}
     fp16 = plan_json(capsys, *WORKSHOP_175B, "--precision", "megatron-fp16", "--emit", "megatron")
     assert "--fp16" in fp16["megatron_args"] and fp16["ds_config"]["fp16"] == {"enabled": True}
@@ -54,7 +54,7 @@ def test_the_workshop_layout_pinned_emits_its_megatron_arguments(capsys):
 def test_emit_jobscript_runs_megatron_on_the_layouts_nodes(capsys):
     result = plan_json(capsys, *WORKSHOP_175B, "--emit", "jobscript")
     script = result["jobscript"]
-    assert "#SBATCH --nodes=16" in script and "pretrain_gpt.py" in script
+    assert "#SBATCH --nodes=16" in script and "pretrain_gpt_deepspeed.py" in script
     assert "export FI_CXI_ATS=0" in script  # --frontier's network settings
     pbs = plan_json(capsys, *WORKSHOP_175B, "--emit", "jobscript", "--scheduler", "pbs")["jobscript"]
     assert "#PBS" in pbs

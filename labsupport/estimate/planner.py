@@ -396,13 +396,26 @@ def search(cfg, machine: Machine, gpus: int, global_batch: int, samples: int, se
     return trajectory
 
 
-def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixed") -> list[str]:
-    """The Megatron-DeepSpeed arguments of `pretrain_gpt.py` that run layout `c` (the workshop's flags).
+# The entry point the workshop fork's DeepSpeed launch scripts run with these arguments.
+MEGATRON_SCRIPT = "pretrain_gpt_deepspeed.py"
 
-    Full recomputation is Megatron-DeepSpeed's `--checkpoint-activations` (the flag the workshop's
-    Table VI names; DeepSpeed's activation checkpointing hooks into it), selective is Megatron-LM's
-    `--recompute-granularity selective`. The ZeRO stage also goes in the DeepSpeed config
-    (`deepspeed_config`).
+
+def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixed") -> list[str]:
+    """The Megatron-DeepSpeed arguments that run layout `c`, spelled as the workshop's fork takes them.
+
+    Source: sajal-vt/Megatron-DeepSpeed-ORNL, `megatron/arguments.py`, which defines every flag
+    here but `--deepspeed` and `--deepspeed_config` (underscore): DeepSpeed's `add_config_arguments`
+    adds those to the same parser. The fork's DeepSpeed runs (`launch_gpt22b_bf16.slurm`,
+    `launch_gpt175b_tflops_149.slurm`, the DeepHyper search's `dh_utils.py`) pass them to
+    `pretrain_gpt_deepspeed.py`.
+
+    Full recomputation (Table VI's checkpoint-activations) is what those scripts pass,
+    `--deepspeed-activation-checkpointing --checkpoint-activations`: the first makes the fork's
+    `initialize.py` swap in DeepSpeed's checkpointing, set up for one checkpoint per
+    `--checkpoint-num-layers` layers (1: each layer's input, as `memory` counts full recomputation).
+    Selective is `--recompute-granularity selective`: the fork defines it (from Megatron-LM), but
+    none of its scripts uses it. DeepSpeed runs the ZeRO stage of the config (`deepspeed_config`);
+    `--zero-stage` (default 1 in the fork) informs Megatron's side only, so both name the same stage.
     """
     args = ["--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
             "--num-layers", cfg.n_layers, "--hidden-size", cfg.hidden, "--num-attention-heads", cfg.heads,
@@ -410,14 +423,21 @@ def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixe
             "--micro-batch-size", c.micro_batch, "--global-batch-size", global_batch]
     if precision != "fp32":
         args.append(f"--{_half(precision)}")
+    args += ["--deepspeed", "--deepspeed_config", "ds_config.json"]
     args += {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--checkpoint-activations", "--checkpoint-num-layers", 1]}[c.recompute]
-    args += ["--deepspeed", "--deepspeed_config", "ds_config.json", "--zero-stage", c.zero]
+             "full": ["--deepspeed-activation-checkpointing", "--checkpoint-activations",
+                      "--checkpoint-num-layers", 1]}[c.recompute]
+    args += ["--zero-stage", c.zero]
     return [str(a) for a in args]
 
 
 def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> dict:
-    """The ds_config.json that goes with `megatron_arguments`: batch sizes, ZeRO stage, precision."""
+    """The ds_config.json that goes with `megatron_arguments`: batch sizes, ZeRO stage, precision.
+
+    The keys of the workshop fork's configs (sajal-vt/Megatron-DeepSpeed-ORNL, `ds_config_16N_175B.json`
+    and `dh_utils.create_ds_config`), less their optimizer and profiler blocks: the fork's
+    `megatron/training.py` builds Megatron's optimizer and hands it to `deepspeed.initialize`.
+    """
     config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": c.micro_batch,
               "zero_optimization": {"stage": c.zero}}
     if precision != "fp32":
@@ -426,5 +446,8 @@ def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> 
 
 
 def _half(precision: str) -> str:
-    """The 16-bit format of a memory recipe: fp16 for Megatron's fp16 recipe (the workshop's), else bf16."""
+    """The 16-bit format of a memory recipe: fp16 for Megatron's fp16 recipe (the workshop's), else bf16.
+
+    The same word names the fork's flag (`--fp16`, `--bf16`) and the ds_config key.
+    """
     return "fp16" if precision == "megatron-fp16" else "bf16"
