@@ -378,3 +378,59 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     ranks.stop()  # the module's pools may still run
     status, out = grade("sync_gradients", mutate("sync_gradients", '"avg"', '"sum"'), capsys)
     assert status == ex.BUGGY and "2x, the sum over the ranks" in out, out
+
+
+# ---------------------------------------------------------------- notebook 06 (graded by the planner, no ranks)
+
+LAYOUT_WRONG = [
+    ("    return dict(dp=dp", "    return dict(dp=1, tp=1, pp=1, micro_batch=1, zero=0)\n    return dict(dp=dp",
+     r"dp x tp x pp = 1 x 1 x 1 = 1, not the 16 GPUs"),
+    ("for tp in (4, 8, 2, 1):", "for tp in (1,):",
+     r"1t on 1024 Frontier GCDs \(global batch 1600\): TP 1 x PP 128 x DP 8, .* fits but takes 380 s a step, 1\.34x "
+     r"the planner's best \(TP 4 x PP 32 x DP 8.*\)\. Where the time goes, yours: .* bubble 144; the best: .* bubble 37\.6"),
+    ("if need[\"total\"] <= usable:", "if True:",
+     r"22b on 16 Frontier GCDs .*needs \d+\.\d GB per GCD, more than the 57\.6 GB usable of 64 GB"),
+    ("return dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute)",
+     "return (dp, tp, pp, 1, zero)", r"should return a dict with keys dp, tp, pp, micro_batch, zero"),
+    ("return dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute)",
+     "return dict(dp=dp, tp=tp, pp=pp, zero=zero)", r"micro_batch missing"),
+]
+
+
+def test_choose_layout_reference_passes_within_the_planners_margin(capsys):
+    status, out = grade("choose_layout", solution("choose_layout"), capsys)
+    assert status == ex.SOLVED and "within 1.3x of the planner's best" in out, out
+
+
+@pytest.mark.parametrize("old, new, feedback", LAYOUT_WRONG)
+def test_choose_layout_wrong_answers_say_what_does_not_fit_or_where_time_goes(old, new, feedback, capsys):
+    status, message = grade("choose_layout", mutate("choose_layout", old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+def test_choose_layout_accepts_the_workshops_published_layouts(capsys):
+    """The workshop's own choices (TP 4 x PP 16 for 175B on 16 nodes, TP 8 x PP 64 for 1T on 128) pass."""
+    answer = ('def choose_layout(model, gpus, global_batch):\n'
+              '    return {"22b": dict(dp=1, tp=2, pp=8, micro_batch=1, zero=0),\n'
+              '            "175b": dict(dp=2, tp=4, pp=16, micro_batch=1, zero=1),\n'
+              '            "1t": dict(dp=2, tp=8, pp=64, micro_batch=1, zero=1)}[model]\n')
+    status, out = grade("choose_layout", answer, capsys)
+    assert status == ex.SOLVED and "175b 1.19x" in out and "1t 1.01x" in out, out
+    tp16 = answer.replace('dp=2, tp=8, pp=64, micro_batch=1, zero=1', 'dp=1, tp=16, pp=64, micro_batch=1, zero=0')
+    status, message = grade("choose_layout", tp16, capsys)
+    assert status == ex.WRONG and "1t on 1024 Frontier GCDs" in message and "1.97x" in message, message
+
+
+def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys):
+    buggy = "def place_rank(d, p, t, dp, pp, tp):\n    return (t * pp + p) * dp + d\n"
+    status, out = grade("place_rank", buggy, capsys)
+    assert status == ex.BUGGY and "TP group of (d, p) = (0, 0) is ranks 0, 4, on nodes 0, 1" in out, out
+    pp_fastest = "def place_rank(d, p, t, dp, pp, tp):\n    return (d * tp + t) * pp + p\n"
+    status, out = grade("place_rank", pp_fastest, capsys)
+    assert status == ex.BUGGY and "dp 2 x pp 4 x tp 4 on nodes of 8 GPUs, the TP group of (d, p) = (0, 0) is ranks 0, 4, 8, 12" in out, out
+    clash = "def place_rank(d, p, t, dp, pp, tp):\n    return p * tp + t\n"      # forgets d: two coordinates, one rank
+    status, out = grade("place_rank", clash, capsys)
+    assert status == ex.BUGGY and "which (d, p, t) = (0, 0, 0) has already" in out, out
+    megatron = "def place_rank(d, p, t, dp, pp, tp):\n    return (p * dp + d) * tp + t\n"   # tp, dp, pp: also right
+    assert grade("place_rank", megatron, capsys)[0] == ex.SOLVED
+    assert grade("place_rank", solution("place_rank"), capsys)[0] == ex.SOLVED
