@@ -15,6 +15,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   simulator         times a schedule: Gantt spans, bubble against (p - 1) / (v m), micro-batches in flight
   planner           ranks dp x tp x pp x micro-batch x ZeRO x recomputation layouts by predicted step time
   scaling           weak and strong scaling curves from the planner's model, beside the workshop's
+  published         Narayanan et al.'s Table 1 layouts, to hold the planner against
+  energy            compute-optimal tokens (Hoffmann et al.) and training energy (Patterson et al.)
 
 Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
 """
