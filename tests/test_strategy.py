@@ -72,6 +72,10 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
                                                "the 8 sequences each data-parallel rank gets per step do not split into "
                                                "--pp 3 micro-batches"]),
     (ParallelConfig.build(2, "ddp", zero=4, ddp_mode="ring"), 2, ["--zero must be 0, 1, 2 or 3", "--ddp-mode must be"]),
+    (ParallelConfig.build(2, "ddp", zero=1), 2, ["strategy 'ddp' does not shard with ZeRO, so --zero 1 would be ignored; "
+                                                 "use --strategy zero1"]),
+    (ParallelConfig.build(2, "tp", tp=2, zero=3), 2, ["strategy 'tp' does not shard with ZeRO"]),
+    (ParallelConfig.build(2, "ddp", zero=0), 2, []),
 ])
 def test_config_names_every_mistake_on_its_own_line(config, world, problems):
     found = config.problems(world, NANO, global_batch=8)

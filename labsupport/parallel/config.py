@@ -108,6 +108,9 @@ class ParallelConfig:
         elif self.strategy == "3d" and self.zero == 1 and self.dp < 2:
             out.append("--zero 1 shards the optimizer states over data-parallel ranks, but --dp is 1; "
                        "use --zero 0 or --dp 2 or more")
+        elif self.zero and entry.zero is None and not entry.default_zero and self.strategy != "3d":
+            out.append(f"strategy {self.strategy!r} does not shard with ZeRO, so --zero {self.zero} would be ignored; "
+                       f"use --strategy zero{self.zero}, or leave --zero out")
         elif self.strategy == "accelerate-fsdp" and self.zero == 1:
             out.append("strategy 'accelerate-fsdp' has no ZeRO-1 (FSDP shards the gradients with the optimizer "
                        "states): use --zero 3 (FULL_SHARD, the default), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD), "
