@@ -1,9 +1,9 @@
 """Widgets in a real JupyterLab: open a notebook in headless Chromium, run it, click, read what it shows.
 
 Skipped where Chromium is missing, except in CI (CI set), where that is a failure.
-To cover a stored notebook, add a test like the one below that calls
-`run_notebook_in_browser(page, lab, "00_setup_and_collectives.ipynb")` and then drives the
-widget it displays; the `lab` fixture serves a copy of notebooks/.
+Each test writes a small notebook into the `lab` fixture's folder (a copy of notebooks/, so a stored
+notebook can be opened the same way), runs it with `run_notebook_in_browser` and drives what it
+displays; the stored notebooks themselves run top to bottom under nbval.
 """
 
 import pytest
@@ -102,54 +102,28 @@ def test_memory_widget_verdict_follows_its_controls_in_jupyterlab(lab, page, req
         assert shown.inner_text().startswith("It fits on one MI250X GCD 64 GB")
 
 
-@pytest.fixture
-def own_lab():
-    """A JupyterLab for one test alone. The module's `lab` keeps its workspace on the server, so a later
-    test's page restores the tabs an earlier test left open, and Run All may then run the wrong notebook."""
-    require_chromium()
-    with jupyter_lab() as server:
-        yield server
-    assert not tagged_processes(server.tag), "JupyterLab left processes behind"
-
-
-@pytest.mark.timeout(480)  # the whole notebook runs first: about a minute on a quiet 2-core machine
-def test_notebook_00_runs_and_its_stepper_follows_the_ring(own_lab, request):
-    """Run notebook 00 top to bottom in JupyterLab, then step its all-reduce widget by clicking:
-    after each ring step the per-rank readout is exactly simulate()'s state for that step."""
-    notebook = "00_setup_and_collectives.ipynb"
-    n = 4
-    expected = [format_state(s) for s in simulate("all_reduce", n, initial=symbolic_initial("all_reduce", n))]
-    steps = len(expected) - 1  # 2(n-1) = 6 ring steps
-    with chromium_page() as page, artifacts_on_failure(page, request.node.name, own_lab):
-        run_notebook_in_browser(page, own_lab, notebook, timeout_s=360)
-        assert page.evaluate("() => window.jupyterapp.shell.currentWidget.context.path") == notebook
-        # the outputs were cleared before the run, so this verdict of a check cell is fresh
-        verdict = "all 8 collectives gave the results their definitions say"
-        page.locator(".jp-OutputArea-output", has_text=verdict).wait_for(timeout=10_000)
-        # a %%ranks cell on the interactive ranks: every rank's line, prefixed with its rank
-        ring = page.locator(".jp-OutputArea-output", has_text="floats differ from torch's")
-        ring.first.wait_for(timeout=10_000)
-        printed = "\n".join(ring.all_inner_texts())
-        assert all(f"[rank {r}] " in printed for r in range(n)), printed
-
-        widgets = page.locator(".labsupport-collectives")
-        widgets.first.wait_for(state="visible", timeout=30_000)
-        assert widgets.count() == 1, f"notebook 00 should show one collectives widget, found {widgets.count()}"
-        widget = widgets.first
-        state = widget.locator(".labsupport-collectives-state")
-        label = widget.locator(".labsupport-collectives-step")
-        step = widget.locator("button.labsupport-step")
-        figure = widget.locator(".labsupport-collectives-figure")
-        assert widget.locator(".labsupport-collective select").input_value() == "all_reduce"
-        wait_for_text(state, expected[0], timeout_s=30)
-        wait_for_text(label, f"start ({steps} steps)")
-        for k in range(1, steps + 1):
-            before = figure.get_attribute("src")
-            step.click()
-            wait_for_text(label, f"step {k} of {steps}")
-            wait_for_text(state, expected[k])
-            assert figure.get_attribute("src") != before, f"the picture was not redrawn at step {k}"
-        assert step.is_disabled(), "step should be disabled after the last ring step"
+def test_ranks_cell_streams_every_ranks_lines_into_the_page(lab, page, request):
+    """A `%%ranks` cell in JupyterLab: each of the pool's ranks runs a ring all-reduce built from
+    send/recv (notebook 00's) and its line reaches the page prefixed `[rank k]`, with the sum every rank
+    must hold. (The notebooks run top to bottom under nbval; the collectives stepper has its own test.)"""
+    write_notebook(lab.root / "ranks.ipynb",
+                   "%load_ext labsupport\n"
+                   "from labsupport.pool import ranks as pool\n"
+                   "pool.start(2)",
+                   "%%ranks\n"
+                   "import torch\n"
+                   "from labsupport import algorithms\n"
+                   "x = torch.full((4,), float(rt.rank + 1))\n"
+                   "algorithms.ring_all_reduce(x)\n"
+                   "print(f'ring all-reduce of {rt.world_size} ranks: {x.tolist()}')",
+                   "pool.stop()")
+    with artifacts_on_failure(page, request.node.name, lab):
+        run_notebook_in_browser(page, lab, "ranks.ipynb", timeout_s=120)
+        lines = page.locator(".jp-OutputArea-output", has_text="ring all-reduce of 2 ranks")
+        lines.first.wait_for(timeout=30_000)
+        printed = "\n".join(lines.all_inner_texts())
+        for r in range(2):
+            assert f"[rank {r}] ring all-reduce of 2 ranks: [3.0, 3.0, 3.0, 3.0]" in printed, printed
 
 
 def test_pipeline_widget_bubble_follows_the_schedule_in_jupyterlab(lab, page, request):
