@@ -266,7 +266,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
     from .runtime import threads_per_rank
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "labsupport.agent", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
            "--monitor-interval=0.1", "-m", "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),

@@ -103,11 +103,11 @@ def _rank_main(argv: list[str]) -> int:
     out.close_pending()
     (run_dir / f"exit-rank{rank}").write_text(str(code))
     if code == 0 and argv[0] == "-m" and argv[1].startswith("labsupport."):
-        _leave_now([log, stack_file])
+        leave_now([log, stack_file])
     return code
 
 
-def _leave_now(files) -> None:
+def leave_now(files) -> None:
     """End a rank that ran one of this package's own entry points (`labsupport.train`, ...), skipping
     the interpreter's teardown: unloading torch's thousands of modules takes half a second of CPU
     per rank, paid again by every rank of every launch, and the ranks share a laptop's few cores.
