@@ -3,7 +3,8 @@
 Compute-optimal tokens (Hoffmann et al. 2022) give the training FLOPs, `flops.training_days` turns
 them into time at some fraction of a device's peak, and time x devices x power x PUE is the
 energy (Patterson et al. 2021). With D = 20 N tokens the compute is 6 N x 20 N = 120 N^2 FLOPs,
-which is why the workshop's deck finds energy growing about as the square of the model size.
+which is why the workshop's deck finds energy growing about as the square of the model size
+(its estimates are `workshop.DECK_TRAINING_ENERGY_J`).
 """
 from __future__ import annotations
 
@@ -15,13 +16,6 @@ TOKENS_PER_PARAM = 20
 # which holds two GCDs, each its own device to torch (as flops.PEAK_TFLOPS counts it): 280 W per
 # GCD, an upper bound on what a GCD draws while it trains.
 MI250X_GCD_WATTS = 280.0
-
-# The workshop's deck: Dash et al. 2023 (arXiv:2312.12705, "Optimizing Distributed Training on
-# Frontier for Large Language Models"), as the OLCF "AI for Science at Scale" Part III deck
-# presents it. Estimated energy to train each model (J), plotted as "Energy budget against
-# model size (~P^2)", and the power of an idle GCD (~90 W).
-DECK_TRAINING_ENERGY_J = {22e9: 284e9, 175e9: 17.65e12, 1e12: 662e12}
-DECK_IDLE_GCD_WATTS = 90.0
 
 
 def chinchilla_tokens(n_params: float) -> float:

@@ -5,26 +5,23 @@ replicas. Weak scaling keeps each replica's batch, so the global batch grows wit
 strong scaling keeps the global batch, so each replica gets fewer micro-batches and its pipeline
 bubble, (p - 1)/m, grows. Efficiency is tokens/s per GPU against the first point: 1.0 is perfect.
 
-The workshop (Dash et al. 2023, "Optimizing Distributed Training on Frontier for Large Language
-Models", arXiv:2312.12705, Fig. 12 and 13, as the Part III deck prints them) reported these, for
-TP 4 x PP 16 (175B) and TP 8 x PP 64 (1T) with micro-batch 1, ZeRO-1 and full recomputation.
-The deck's captions for Fig. 13 are interleaved in its text; read apart they give 175B: batch
-8000, 89.93% at 1024 GPUs, and 1T: batch 8016, 87.05% at 3072 GPUs. The smallest GPU count each
-efficiency is measured against is not printed; we take one replica (64 and 512 GPUs). Their
-"100%" weak scaling is the paper's abstract's; the figures are not readable in the deck.
+The workshop's scaling runs (Dash et al. 2023, Fig. 12 and 13; `workshop.TABLE_VI` and
+`workshop.STRONG_SCALING`) used Table VI's layouts: weak scaling at Table VI's batch per replica,
+strong scaling at a fixed total batch. The smallest GPU count each efficiency is measured against
+is not printed; we take one replica (tp x pp GPUs).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from .planner import EFFICIENCY, evaluate
+from .workshop import STRONG_SCALING, TABLE_VI, WEAK_SCALING_EFFICIENCY
 
-WORKSHOP = {
-    "175b": dict(layout=dict(tp=4, pp=16, micro_batch=1, zero=1, recompute="full"), per_replica_batch=640,
-                 weak_efficiency=1.0, strong_batch=8000, strong_gpus=1024, strong_efficiency=0.8993),
-    "1t": dict(layout=dict(tp=8, pp=64, micro_batch=1, zero=1, recompute="full"), per_replica_batch=1600,
-               weak_efficiency=1.0, strong_batch=8016, strong_gpus=3072, strong_efficiency=0.8705),
-}
+# workshop.py's scaling facts per model, as the curves below take them.
+WORKSHOP = {model: dict(layout=row.layout(), per_replica_batch=row.per_replica_batch,
+                        weak_efficiency=WEAK_SCALING_EFFICIENCY, strong_batch=STRONG_SCALING[model].global_batch,
+                        strong_gpus=STRONG_SCALING[model].gpus, strong_efficiency=STRONG_SCALING[model].efficiency)
+            for model, row in TABLE_VI.items()}
 
 
 class Point(NamedTuple):

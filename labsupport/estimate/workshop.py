@@ -1,0 +1,191 @@
+"""The workshop's runs, as its decks and its launch scripts state them: the one place they live.
+
+Notebooks, exercises and tests read these instead of restating a number. Each fact carries where
+it comes from, in the source's own words where it has some:
+
+  PART_III  the "AI for Science at Scale" Part III deck (Dash et al. 2023, "Optimizing Distributed
+            Training on Frontier for Large Language Models", arXiv:2312.12705, as the deck prints it):
+            Table V (the DeepHyper search space), Table VI (the chosen layouts), Fig. 12 and 13
+            (weak and strong scaling), the energy estimates and the "Hands On" slides.
+  FORK      the deck's hands-on repository, sajal-vt/Megatron-DeepSpeed-ORNL, branch FA2 (the deck:
+            "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs.
+  PART_II   olcf/ai-training-series at e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL:
+            the Part II deck's 3D hands-on, `sbatch launch_gpt22b_srun.frontier`.
+
+Where two sources disagree (Table VI's batch is per replica, the scripts' `--global-batch-size` is
+global; a script named `_bf16` that passes `--fp16`), both are kept and the disagreement is said.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GCDS_PER_NODE = 8        # every script: `srun ... --ntasks-per-node=8 --gpus-per-node=8`
+
+# Every run here is `pretrain_gpt_deepspeed.py ... --deepspeed` with a ZeRO stage in its config:
+# DeepSpeed's optimizer, not Megatron's, holds the fp32 master weights and Adam's moments, so
+# ZeRO's 16 bytes per parameter apply (2 + 2 + K = 12), not Megatron's own fp16 recipe's 20.
+PLANNER_PRECISION = "mixed"
+
+PART_III = "Part III deck (Dash et al. 2023, arXiv:2312.12705)"
+FORK = "sajal-vt/Megatron-DeepSpeed-ORNL@FA2 (03325d4)"
+PART_II = "olcf/ai-training-series@e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL"
+
+
+def _recompute(checkpoint_activations: bool) -> str:
+    """Megatron's `--checkpoint-activations` keeps each layer's input and recomputes the whole layer
+    (`--checkpoint-num-layers` 1): the planner's "full" recomputation."""
+    return "full" if checkpoint_activations else "none"
+
+
+@dataclass(frozen=True)
+class BestLayout:
+    """A column of Table VI ("Best parameters for training a 175B model and a 1T model"), the layout
+    of the paper's scaling runs. Its GBS is a batch per replica (one pipeline of tp x pp GCDs):
+    Fig. 12, "Weak scaling ... by keeping per replica batch-size fixed at 640" (175B), "at 1600" (1T)."""
+
+    model: str                  # labsupport preset with the deck's shape
+    tp: int
+    pp: int
+    micro_batch: int
+    per_replica_batch: int      # Table VI's "GBS"
+    zero: int                   # "ZeRO Stage"
+    flash_attention: str        # "Flash Attention": v2
+    precision: str              # "Precision": fp16
+    checkpoint_activations: bool
+
+    @property
+    def replica_gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def recompute(self) -> str:
+        return _recompute(self.checkpoint_activations)
+
+    def layout(self) -> dict:
+        """The planner's keywords for this layout (`scaling`'s `layout`)."""
+        return dict(tp=self.tp, pp=self.pp, micro_batch=self.micro_batch, zero=self.zero, recompute=self.recompute)
+
+
+TABLE_VI = {
+    "175b": BestLayout("175b", tp=4, pp=16, micro_batch=1, per_replica_batch=640, zero=1, flash_attention="v2",
+                       precision="fp16", checkpoint_activations=True),
+    "1t": BestLayout("1t", tp=8, pp=64, micro_batch=1, per_replica_batch=1600, zero=1, flash_attention="v2",
+                     precision="fp16", checkpoint_activations=True),
+}
+
+
+@dataclass(frozen=True)
+class StrongScaling:
+    """Fig. 13's caption, read apart from the 1T caption it is interleaved with in the deck: "Strong
+    scaling of 175b model training by keeping the total batch size fixed at 8000. The strong scaling
+    efficiency at 1024 GPUs is 89.93%", and for 1T "a total batch-size fixed at 8016 ... at 3072 GPUs
+    is 87.05%". The GPU count each efficiency is measured against is not printed."""
+
+    model: str
+    global_batch: int
+    gpus: int
+    efficiency: float
+
+
+STRONG_SCALING = {
+    "175b": StrongScaling("175b", global_batch=8000, gpus=1024, efficiency=0.8993),
+    "1t": StrongScaling("1t", global_batch=8016, gpus=3072, efficiency=0.8705),
+}
+
+# The paper's abstract: "100% weak scaling efficiency" for both models; the deck's Fig. 12 plots it
+# without readable numbers.
+WEAK_SCALING_EFFICIENCY = 1.0
+
+# Table V, "Hyperparameter Tuning for 175B Model": the space DeepHyper searched (`sbatch
+# --reservation=ai launch_dh.frontier` on the fork's frontier-sd branch, the deck's hands-on).
+TABLE_V = dict(pp=(1, 2, 4, 8, 12, 16), tp=(1, 2, 4, 8), micro_batch=(4, 20),   # "MBS in [4, 20]"
+               gradient_accumulation=(5, 10), zero1=(True, False), nodes=(12, 16))
+
+
+@dataclass(frozen=True)
+class Script:
+    """A launch script the workshop ran, with what it passes to Megatron-DeepSpeed and DeepSpeed."""
+
+    path: str                   # file, in `source`
+    source: str
+    deck: str                   # the deck's words that introduce it
+    model: str                  # labsupport preset with the script's layers and hidden size
+    nodes: int                  # `#SBATCH -N`
+    tp: int                     # --tensor-model-parallel-size
+    pp: int                     # --pipeline-model-parallel-size
+    heads: int                  # --num-attention-heads
+    seq_len: int                # --seq-length
+    micro_batch: int            # --micro-batch-size
+    global_batch: int           # --global-batch-size
+    zero: int                   # the DeepSpeed config's "zero_optimization" stage
+    precision: str              # Megatron's flag: --fp16 or --bf16
+    ds_config: str              # --deepspeed_config
+    ds_precision: str           # what that config enables
+    flash_attention: str | None  # --use-flash-attn-v2
+    checkpoint_activations: bool
+    notes: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * GCDS_PER_NODE
+
+    @property
+    def dp(self) -> int:
+        """Megatron's data-parallel size: what is left of the world after tp x pp."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipeline per step: global batch / (micro-batch x dp)."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def recompute(self) -> str:
+        return _recompute(self.checkpoint_activations)
+
+    def layout(self) -> dict:
+        """The planner's keywords for this run (`planner.evaluate`'s, with dp). ZeRO on one
+        data-parallel rank shards nothing, so the planner calls that stage 0."""
+        return dict(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch=self.micro_batch,
+                    zero=self.zero if self.dp > 1 else 0, recompute=self.recompute)
+
+
+HANDS_ON = {
+    "22b": Script("launch_gpt22b_bf16.slurm", FORK, "Train a 22B model on 2 nodes", "22b", nodes=2, tp=1, pp=8,
+                  heads=48, seq_len=2048, micro_batch=1, global_batch=640, zero=1, precision="fp16",
+                  ds_config="ds_config_16N_175B.json", ds_precision="fp16", flash_attention="v2",
+                  checkpoint_activations=True,
+                  notes="passes `--zero-stage 0`, a Megatron argument the fork reads only for ZeRO-3's parameter "
+                        "gathering and optimizer statistics; DeepSpeed's engine gets the JSON config as it is, "
+                        "stage 1"),
+    "175b": Script("launch_gpt175b_bf16.slurm", FORK, "Train a 175B model on 16 nodes", "175b", nodes=16, tp=4,
+                   pp=16, heads=96, seq_len=4096, micro_batch=1, global_batch=640, zero=1, precision="fp16",
+                   ds_config="ds_config_16N_175B.json", ds_precision="fp16", flash_attention="v2",
+                   checkpoint_activations=True,
+                   notes="sequences of 4096 tokens (`--seq-length 4096`), twice the preset's 2048"),
+    "1t": Script("launch_gpt1T_bf16.slurm", FORK, "Train a 1T model on 128 nodes", "1t", nodes=128, tp=4, pp=128,
+                 heads=200, seq_len=2048, micro_batch=1, global_batch=1024, zero=1, precision="bf16",
+                 ds_config="ds_config_128N_1T_fp16.json", ds_precision="fp16", flash_attention="v2",
+                 checkpoint_activations=True,
+                 notes="200 heads of 128 (the preset: 128 of 200, the same parameters); passes `--bf16` to "
+                       "Megatron while its DeepSpeed config enables fp16"),
+}
+
+# The Part II deck's 3D hands-on: "sbatch launch_gpt22b_srun.frontier", "Enable 3D parallelism and
+# change model-size in the launch script", its snippet adding `--model-size 175B` to the 22B shape.
+PART_II_22B = Script(
+    "launch_gpt22b_srun.frontier", PART_II, "sbatch launch_gpt22b_srun.frontier", "22b", nodes=4, tp=4, pp=8,
+    heads=96, seq_len=2048, micro_batch=2, global_batch=20, zero=1, precision="fp16",
+    ds_config="ds_config_4N_22B.json", ds_precision="fp16", flash_attention=None, checkpoint_activations=True,
+    notes="96 heads of 64 (the deck's table and the preset: 48 of 128, the same parameters); its DeepSpeed "
+          "config says train_micro_batch_size_per_gpu 4 where Megatron's --micro-batch-size is 2; the fork's "
+          "megatron/arguments.py defines no --model-size and parses with parse_args(), which exits on an "
+          "unrecognized argument")
+
+# "For 22B, 175B, and 1T parameter model, the estimated energy consumption is 284 Gigajoules, 17.65
+# Terajoules, and 662 Terajoules", from "iteration time, consumed tokens per iterations, average active
+# power, and total number of MI250X GPU cards" (the token count assumed is not printed); "Idle GPU power
+# is approximately 90 Watts".
+DECK_TRAINING_ENERGY_J = {"22b": 284e9, "175b": 17.65e12, "1t": 662e12}
+NOMINAL_PARAMS = {"22b": 22e9, "175b": 175e9, "1t": 1e12}      # the deck's names for the models
+DECK_IDLE_GCD_WATTS = 90.0

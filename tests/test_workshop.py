@@ -1,0 +1,81 @@
+"""The workshop's facts (estimate/workshop.py) against the decks' and the scripts' numbers, and
+against each other: each run fills its nodes, splits its model evenly, and fits the memory model."""
+import re
+
+import pytest
+
+from labsupport.estimate.planner import MACHINE_NAMES, evaluate
+from labsupport.estimate.scaling import WORKSHOP
+from labsupport.estimate.workshop import (HANDS_ON, PART_II_22B, PLANNER_PRECISION, STRONG_SCALING, TABLE_V,
+                                          TABLE_VI)
+from labsupport.model import get_preset
+
+FRONTIER = MACHINE_NAMES["frontier"]
+SCRIPTS = [*HANDS_ON.values(), PART_II_22B]
+
+
+def test_table_vi_is_the_decks():
+    """TABLE VI: TP 4 / 8, PP 16 / 64, MBS 1, GBS 640 / 1600, ZeRO stage 1, Flash Attention v2, fp16,
+    checkpoint-activations True."""
+    assert [(r.tp, r.pp, r.micro_batch, r.per_replica_batch, r.zero, r.flash_attention, r.precision,
+             r.checkpoint_activations) for r in TABLE_VI.values()] == [
+        (4, 16, 1, 640, 1, "v2", "fp16", True), (8, 64, 1, 1600, 1, "v2", "fp16", True)]
+    assert all(r.recompute == "full" for r in TABLE_VI.values())
+
+
+def test_strong_scaling_totals_split_evenly_over_table_vi_replicas():
+    """Fig. 13: 8000 sequences on 1024 GPUs (89.93%), 8016 on 3072 (87.05%): 16 replicas of the 175B
+    layout with 500 each, 6 of the 1T layout with 1336 each."""
+    split = {}
+    for model, s in STRONG_SCALING.items():
+        replicas, rest = divmod(s.gpus, TABLE_VI[model].replica_gpus)
+        assert rest == 0 and s.global_batch % replicas == 0
+        split[model] = (replicas, s.global_batch // replicas, s.efficiency)
+    assert split == {"175b": (16, 500, 0.8993), "1t": (6, 1336, 0.8705)}
+
+
+def test_scaling_reads_its_runs_from_workshop():
+    for model, row in TABLE_VI.items():
+        assert WORKSHOP[model]["layout"] == row.layout()
+        assert WORKSHOP[model]["per_replica_batch"] == row.per_replica_batch
+        assert WORKSHOP[model]["strong_batch"] == STRONG_SCALING[model].global_batch
+
+
+def test_the_hands_on_scripts_run_on_the_nodes_the_deck_names():
+    """"Train a 22B model on 2 nodes", "a 175B model on 16 nodes", "a 1T model on 128 nodes"."""
+    for script in HANDS_ON.values():
+        assert script.nodes == int(re.search(r"on (\d+) nodes", script.deck).group(1))
+        assert script.path.endswith("_bf16.slurm")
+    assert {m: (s.dp, s.microbatches) for m, s in HANDS_ON.items()} == {
+        "22b": (2, 320), "175b": (2, 320), "1t": (2, 512)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.path)
+def test_each_script_fills_its_nodes_and_splits_its_model_evenly(script):
+    cfg = get_preset(script.model)
+    assert script.gpus % (script.tp * script.pp) == 0
+    assert script.global_batch % (script.dp * script.micro_batch) == 0
+    assert cfg.n_layers % script.pp == 0 and script.heads % script.tp == 0 and cfg.hidden % script.heads == 0
+
+
+def test_the_part_ii_22b_script_needs_its_four_nodes():
+    """`#SBATCH -N 4`: 32 GCDs, exactly TP 4 x PP 8, one replica of 20 / 2 = 10 micro-batches. On the
+    hands-on's 2 nodes (16 GCDs) Megatron would refuse TP 4 x PP 8."""
+    assert (PART_II_22B.nodes, PART_II_22B.tp * PART_II_22B.pp, PART_II_22B.dp, PART_II_22B.microbatches) == (4, 32, 1, 10)
+    assert HANDS_ON["22b"].gpus % (PART_II_22B.tp * PART_II_22B.pp) != 0
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.path)
+def test_each_script_fits_a_gcd_in_the_memory_model(script):
+    """The planner's memory model agrees that the workshop's runs fit a 64 GB GCD (at 2048 tokens;
+    the 175B script's 4096 would double the activations)."""
+    c = evaluate(get_preset(script.model), FRONTIER, script.gpus, script.global_batch, **script.layout(),
+                 precision=PLANNER_PRECISION)
+    assert c.fits
+
+
+def test_table_v_is_the_search_space_the_deck_prints():
+    assert TABLE_V == dict(pp=(1, 2, 4, 8, 12, 16), tp=(1, 2, 4, 8), micro_batch=(4, 20), gradient_accumulation=(5, 10),
+                           zero1=(True, False), nodes=(12, 16))
+    # Table VI's micro-batch 1 lies outside the searched [4, 20]: the final layouts were not drawn from it.
+    assert all(r.micro_batch < TABLE_V["micro_batch"][0] for r in TABLE_VI.values())
