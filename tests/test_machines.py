@@ -1,17 +1,20 @@
 """Node presets (estimate/machines.py) against the vendors' figures, and which link a ring crosses."""
 import pytest
 
+from labsupport.estimate import machines
 from labsupport.estimate.flops import PEAK_TFLOPS
 from labsupport.estimate.machines import MACHINES, Machine, link
 
 
 def test_frontier_is_the_olcf_user_guide():
     """8 GCDs of 64 GB; one Infinity Fabric link of 50 GB/s per direction between GCDs; 4 NICs of
-    25 GB/s per direction (the decks' "25+25 GB/s") for 8 GCDs: 12.5 GB/s each when all send."""
+    25 GB/s per direction (the decks' "25+25 GB/s") for 8 GCDs: 12.5 GB/s each when all send, the
+    pessimistic bound for a ring that crosses nodes (one NIC alone gives a boundary hop 25)."""
     m = MACHINES["Frontier (MI250X GCD)"]
     assert (m.devices_per_node, m.memory_gb) == (8, 64)
     assert m.intra_gbps == 50
     assert m.inter_gbps == 12.5 == 4 * 25 / m.devices_per_node
+    assert "pessimistic bound" in machines.__doc__ and "upper bounds" in machines.__doc__
     assert m.peak_tflops_bf16 == PEAK_TFLOPS["MI250X"][1] == 191.5  # half of a module's 383
 
 

@@ -7,11 +7,12 @@ Mesh gives a group consecutive ranks), its ring leaves the node, and every step 
 network. `link(machine, group_size)` picks one or the other, as (alpha, GB/s), for
 `comm_cost.collective_time(..., alpha, 1 / (gbps * 1e9))`.
 
-Bandwidths are GB/s (10^9 bytes per second) per device and per direction. Between nodes it is
-each device's share of its node's network links when every device of the node sends at once,
-as under data parallelism across nodes: node injection bandwidth / devices per node. NCCL and
-RCCL can spread one group's rings over all of a node's network cards, so a lone group that
-crosses nodes may do better than this; it is the conservative figure, the same for every machine.
+Bandwidths are GB/s (10^9 bytes per second) per device and per direction. Between nodes the
+figure is a pessimistic bound: each device's share of its node's network links when every
+device of the node sends across at once, node injection bandwidth / devices per node. A ring
+over two nodes leaves each node only at its boundary hops, and NCCL and RCCL spread a group's
+channels over all of the node's network cards, so such a ring gets more per hop than this: the
+bandwidth terms priced with it are upper bounds. The same kind of bound for every machine.
 
 Alphas (the latency of one message) are order-of-magnitude assumptions, not datasheet numbers:
 about 5 us inside a node and 10 us across the network. Fit your own to measured times with
@@ -50,8 +51,10 @@ class Machine:
 # microarchitecture": a 16-wide Infinity Fabric link at 25 GT/s moves 2 bytes per transfer.
 # Between nodes: 4 HPE Slingshot-11 NICs of 200 Gb/s = 25 GB/s per direction, node injection
 # 100 GB/s. The workshop decks' "25+25 GB/s" is one NIC, 25 each way; there is one NIC per MI250X,
-# so its 2 GCDs share it: 12.5 GB/s per GCD when all 8 send at once (the DGX figures below are one
-# NIC per GPU, so all three are the same kind of number).
+# so its 2 GCDs share it: 12.5 GB/s per GCD when all 8 send at once. That is the bound of the
+# docstring, not what a TP ring over two nodes gets per hop (its inner hops stay on Infinity
+# Fabric, and RCCL spreads its channels over the 4 NICs). The DGX figures below are one NIC per
+# GPU, so all three are the same kind of bound.
 FRONTIER = Machine("Frontier (MI250X GCD)", devices_per_node=8,
                    intra_alpha_s=INTRA_ALPHA_S, intra_gbps=50,
                    inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 25 / 8,
@@ -80,7 +83,8 @@ MACHINES: dict[str, Machine] = {m.name: m for m in (FRONTIER, DGX_H100, DGX_A100
 
 def link(machine: Machine | str, group_size: int) -> tuple[float, float]:
     """(alpha in s, GB/s per direction) of the slowest link a ring of `group_size` devices crosses:
-    the node's own links when the group fits in one node, else the network between nodes."""
+    the node's own links when the group fits in one node, else the network between nodes (its
+    pessimistic bound, every device of the node sending across at once)."""
     if isinstance(machine, str):
         if machine not in MACHINES:
             raise ValueError(f"unknown machine {machine!r}; choose one of: {', '.join(MACHINES)}")
