@@ -232,13 +232,15 @@ export NCCL_NET_GDR_LEVEL=3
 def render(scheduler: str, nodes: int, gpus_per_node: int, command: list[str], account: str | None = None,
            time: str = "00:30:00", job_name: str = "labsupport", port: int = 29500, queue: str | None = None,
            cpus_per_gpu: int = DEFAULT_CPUS_PER_GPU, launcher: str = "torchrun", frontier: bool = False,
-           ofi_plugin: str | None = None) -> str:
+           ofi_plugin: str | None = None, environment: list[str] = ()) -> str:
     """The text of a Slurm or PBS job script that runs `command` on `nodes` x `gpus_per_node` ranks.
 
     `command` is what one rank runs, e.g. `["labsupport", "train", "--strategy", "ddp"]`.
     `queue` is Slurm's partition or PBS's queue. `launcher` is "torchrun" (one per node) or "srun"
     (Slurm starts every rank). `frontier` adds the network settings for RCCL on Slingshot, with the
-    aws-ofi-rccl plugin from `ofi_plugin`. Raises ValueError (one line) on bad input.
+    aws-ofi-rccl plugin from `ofi_plugin`. `environment` is lines the command needs before it starts
+    (comments, exports), e.g. `estimate.planner.megatron_environment`'s. Raises ValueError (one line)
+    on bad input.
     """
     _check(scheduler, nodes, gpus_per_node, time, job_name, port, account, queue, cpus_per_gpu,
            launcher, frontier, ofi_plugin)
@@ -351,6 +353,7 @@ export MASTER_PORT=$PORT
 """
         per_node = torchrun_command("$NNODES", "$GPUS_PER_NODE", "$HEAD_NODE", "$PORT", "$JOB_ID", [], python)
         lines, rank_words = [*launch, *_torchrun_lines(per_node)], target
+    command_environment = "\n".join(environment) + "\n\n" if environment else ""
     body = f"""\
 # The ranks meet on the head node at this TCP port (--port). Nothing checks that it is free: if
 # another program there already listens on it, the job fails at start-up; give another --port.
@@ -372,7 +375,7 @@ mkdir -p "$LABSUPPORT_RUN_DIR"
 # export GLOO_SOCKET_IFNAME=hsn0
 # export NCCL_DEBUG=INFO            # NCCL then logs the interface and transport it picked
 
-{_frontier_lines(ofi_plugin) if frontier else ""}{masters}\
+{_frontier_lines(ofi_plugin) if frontier else ""}{command_environment}{masters}\
 echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR"
 
 {launch_why}

@@ -127,6 +127,18 @@ def test_frontier_adds_the_network_settings_each_with_its_reason(tmp_path):
         assert "FI_CXI" not in plain and "NCCL_NET_GDR_LEVEL" not in plain and "LD_LIBRARY_PATH" not in plain
 
 
+def test_the_commands_environment_comes_after_the_network_settings_and_before_the_launch():
+    """`environment`: what the command needs exported (e.g. Megatron's CUDA_DEVICE_MAX_CONNECTIONS), as given."""
+    lines = ["# one queue", "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    for scheduler, frontier in (("slurm", True), ("slurm", False), ("pbs", False)):
+        script = render(scheduler, 2, 8, TRAIN, frontier=frontier, environment=lines)
+        assert "\n".join(lines) + "\n\n" in script
+        at = script.index(lines[0])
+        assert script.index("export LABSUPPORT_RUN_DIR") < at < script.index('echo "$(date)')
+        assert not frontier or script.index("export NCCL_NET_GDR_LEVEL=3") < at
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in render("slurm", 2, 8, TRAIN, frontier=True)
+
+
 def test_port_comment_does_not_promise_a_free_port():
     script = render("slurm", 2, 4, TRAIN, port=29611)
     assert "PORT=29611" in script
@@ -140,7 +152,8 @@ FAKE_PYTHON = """#!/bin/sh
 exec @PYTHON@ -c '
 import json, os, sys
 env = {k: v for k, v in os.environ.items()
-       if k.startswith(("SLURM_", "MASTER_")) or k in ("LD_LIBRARY_PATH", "FI_CXI_ATS", "NCCL_NET_GDR_LEVEL")}
+       if k.startswith(("SLURM_", "MASTER_")) or k in ("LD_LIBRARY_PATH", "FI_CXI_ATS", "NCCL_NET_GDR_LEVEL",
+                                                     "CUDA_DEVICE_MAX_CONNECTIONS")}
 print(json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR"), "env": env}))
 ' "$@" >> @LOG@
 """
@@ -233,7 +246,7 @@ def test_srun_script_gives_every_rank_what_runtime_reads(tmp_path):
                SLURM_NTASKS_PER_NODE="4")
     env.pop("LD_LIBRARY_PATH", None)  # unset: the script must not trip over it under `set -u`
     script = render("slurm", 2, 4, TRAIN, launcher="srun", port=29611, frontier=True,
-                    ofi_plugin="/sw/aws ofi-rccl/lib")
+                    ofi_plugin="/sw/aws ofi-rccl/lib", environment=["# why", "export CUDA_DEVICE_MAX_CONNECTIONS=1"])
     got = run_script(script, tmp_path, env)
     ranks = sorted((runtime.detect(r["env"]) for r in got), key=lambda info: info.rank)
     assert [(i.rank, i.world_size, i.local_rank, i.local_world_size, i.launcher) for i in ranks] == \
@@ -242,9 +255,9 @@ def test_srun_script_gives_every_rank_what_runtime_reads(tmp_path):
         assert r["argv"] == ["-m", "labsupport.train", *TRAIN[2:]]
         assert r["run_dir"] == str(tmp_path / "runs" / "labsupport-4242")
         assert {k: r["env"][k] for k in ("MASTER_ADDR", "MASTER_PORT", "LD_LIBRARY_PATH", "FI_CXI_ATS",
-                                          "NCCL_NET_GDR_LEVEL")} == \
+                                          "NCCL_NET_GDR_LEVEL", "CUDA_DEVICE_MAX_CONNECTIONS")} == \
             {"MASTER_ADDR": "node-a", "MASTER_PORT": "29611", "LD_LIBRARY_PATH": "/sw/aws ofi-rccl/lib",
-             "FI_CXI_ATS": "0", "NCCL_NET_GDR_LEVEL": "3"}
+             "FI_CXI_ATS": "0", "NCCL_NET_GDR_LEVEL": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     srun_options = set((tmp_path / "srun.log").read_text().split())
     assert {"--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=7", "--gpu-bind=closest",
             "--kill-on-bad-exit=1"} <= srun_options

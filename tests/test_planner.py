@@ -16,7 +16,8 @@ from labsupport.estimate.flops import training_flops_per_token
 from labsupport.estimate.machines import DGX_A100, FRONTIER, Machine
 from labsupport.estimate.params import count_params
 from labsupport.estimate.planner import (NoFit, check_machine, deepspeed_config, describe, evaluate, explain_no_fit,
-                                         megatron_arguments, plan, search, step_flops, why)
+                                         megatron_arguments, megatron_environment, plan, search, step_flops,
+                                         why)
 from labsupport.estimate.published import NARAYANAN_TABLE_1
 from labsupport.estimate.scaling import WORKSHOP, strong_scaling, weak_scaling
 from labsupport.model import PRESETS, ModelConfig
@@ -91,6 +92,26 @@ def test_workshop_175b_megatron_arguments_are_the_forks_flags():
     assert deepspeed_config(c, 640, "megatron-fp16") == {
         "train_batch_size": 640, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
         "fp16": {"enabled": True}}
+
+
+def test_megatron_environment_orders_tp_kernels_and_names_frontiers_porting_steps():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 (Megatron-LM asserts it) and on Frontier (the
+    workshop's scripts set it at every TP); on Frontier, the Part III deck's porting steps as comments."""
+    cfg = PRESETS["175b"]
+    tp4 = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full")
+    tp1 = evaluate(cfg, FRONTIER, 128, 640, dp=8, tp=1, pp=16, micro_batch=1, zero=1, recompute="full")
+    export = "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert megatron_environment(tp1) == []
+    for lines in (megatron_environment(tp4), megatron_environment(tp4, frontier=True),
+                  megatron_environment(tp1, frontier=True)):
+        assert lines[-1] == export and all(line.startswith("# ") for line in lines[:-1])
+    assert "DS_BUILD" not in " ".join(megatron_environment(tp4))  # the porting steps are Frontier's
+    porting = " ".join(megatron_environment(tp1, frontier=True))
+    assert set(re.findall(r"DS_BUILD_(\w+)=1", porting)) == {"CPU_ADAM", "FUSED_ADAM", "FUSED_LAMB", "TRANSFORMER",
+                                                             "AIO", "UTILS"}  # the deck's list
+    for edit in ("set_jit_fusion_options()", "megatron/training.py", "config.gradient_accumulation_fusion = False",
+                 "megatron/core/tensor_parallel/layers.py"):
+        assert edit in porting, edit
 
 
 def test_workshop_1t_fits_and_is_within_2_percent_of_the_best():

@@ -431,6 +431,40 @@ def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixe
     return [str(a) for a in args]
 
 
+# The Part III deck's "Porting Megatron-DeepSpeed to Frontier": what the workshop changed to run the
+# fork there, beyond its launch script. Comments, since none of it is a launch-time setting.
+FRONTIER_PORTING = [
+    "# Frontier: the workshop's fork (sajal-vt/Megatron-DeepSpeed-ORNL, the deck's branch frontier-sd)",
+    "# has two code edits (Part III deck, \"Porting Megatron-DeepSpeed to Frontier\"):",
+    "# set_jit_fusion_options() is commented out in megatron/training.py (it switches PyTorch's JIT",
+    "# to nvFuser), and megatron/core/tensor_parallel/layers.py sets",
+    "# config.gradient_accumulation_fusion = False (the fused kernel is APEX's CUDA extension).",
+    "# DeepSpeed is installed with its ops built at install time instead of compiled at first use:",
+    "# DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_FUSED_LAMB=1 DS_BUILD_TRANSFORMER=1 \\",
+    "#     DS_BUILD_AIO=1 DS_BUILD_UTILS=1 pip install deepspeed",
+]
+
+
+def megatron_environment(c: Config, frontier: bool = False) -> list[str]:
+    """The launch script's lines before Megatron-DeepSpeed runs layout `c`: comments and exports.
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1 leaves the GPU one hardware queue per process, so kernels start
+    in the order they are issued and the TP collectives Megatron issues ahead of a matmul overlap
+    with it (the docstring of `linear_with_grad_accumulation_and_async_allreduce` in
+    `megatron/core/tensor_parallel/layers.py`). Megatron-LM's `validate_args` asserts it for TP > 1;
+    the fork's (an older Megatron) raises only for sequence parallelism and the asynchronous TP
+    all-reduce, which it turns off under `--deepspeed`. The workshop's Frontier scripts export it
+    at every TP (the FA2 branch's `launch_gpt22b_bf16.slurm` runs TP 1), and the deck lists it
+    among the porting steps, so on Frontier it comes with FRONTIER_PORTING.
+    """
+    lines = FRONTIER_PORTING[:] if frontier else []
+    if c.tp > 1 or frontier:
+        lines += ["# One hardware queue per GPU: kernels start in the order they are issued, so the TP",
+                  "# collectives overlap the matmuls issued after them. Megatron-LM asserts it for TP > 1.",
+                  "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    return lines
+
+
 def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> dict:
     """The ds_config.json that goes with `megatron_arguments`: batch sizes, ZeRO stage, precision.
 
