@@ -96,7 +96,8 @@ def test_memory_figure_draws_the_estimate():
     assert ax.get_ylabel() == "bytes per device (GB)"
     assert bar_heights(ax) == pytest.approx([est[k] / 1e9 for k in wm.CATEGORIES])
     assert [line.get_ydata()[0] for line in ax.get_lines()] == [80]  # the GPU's capacity
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == [wm.LABELS[k] for k in wm.CATEGORIES]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [wm.LABELS[k] for k in wm.CATEGORIES] + ["one GPU: 80 GB"]  # the line is named there
 
 
 def test_memory_figure_one_bar_per_value():
@@ -164,8 +165,8 @@ def test_widget_figure_is_the_static_stand_in():
     w = wm.MemoryWidget("22b", precision="megatron-bf16", micro_batch=2, parallel=True, dp=8, zero=1)
     fig = w.figure()
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["ZeRO-0\nbaseline", "ZeRO-1\nP_os", "ZeRO-2\nP_os+g",
-                                                           "ZeRO-3\nP_os+g+p"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ZeRO-0\nbaseline", "ZeRO-1\n$P_{os}$",
+                                                           "ZeRO-2\n$P_{os+g}$", "ZeRO-3\n$P_{os+g+p}$"]
     heights = bar_heights(ax)
     for stage in range(4):
         est = estimate_memory(PRESETS["22b"], micro_batch=2, precision="megatron-bf16", dp=8, zero=stage)
@@ -211,7 +212,7 @@ def test_zero_figure1_data():
     """Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device."""
     fig = wm.zero_stages_figure()
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "P_os", "P_os+g", "P_os+g+p"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "$P_{os}$", "$P_{os+g}$", "$P_{os+g+p}$"]
     assert ax.get_ylabel() == "bytes per device (GB)"
     assert [round(total, 1) for total in stage_totals(ax)] == [120.0, 31.4, 16.6, 1.9]
     assert ax.get_title() == "ZeRO stages: 7.5B parameters, N_d = 64, mixed"
@@ -247,7 +248,7 @@ def test_offload_control():
     assert w.estimate["optimizer"] == 0 and w.stages[0]["optimizer"] == 0
     assert f"the host holds {wm.format_bytes(w.estimate['host'])}" in w.text
     assert "hidden behind one micro-batch" in w.text  # 0.35 s of PCIe 4.0 against 2.2 s of compute on an A100
-    w.controls["pcie"].value = "gen3"
+    w.controls["pcie"].value = "PCIe gen3 x16"
     w.controls["seq_len"].value = 128  # 16x fewer tokens: the same transfer, 16x less compute to hide it
     assert "not hidden unless each step processes" in w.text and "PCIe gen3" in w.text
     assert w.figure().axes[0].get_title() == "22b, mixed, micro-batch 1, optimizer on the host"
@@ -277,3 +278,109 @@ def test_largest_model_that_fits_is_shown():
     assert f"{cfg.n_layers} layers x {cfg.hidden}" in w.text
     w.controls["model"].value = wm.CUSTOM  # no shape: solve for the parameter count, model states only
     assert w.largest["n_params"] == 5_000_000_000 and "40 B" not in w.text and "5 B" in w.text
+
+
+def test_device_picks_its_host_link():
+    """An MI250X GCD reaches its CPU over Infinity Fabric at 36 GB/s each way, not over PCIe."""
+    w = wm.MemoryWidget("22b", parallel=True, dp=8, zero=2, offload=True)
+    assert w.controls["pcie"].value == "PCIe gen4 x16"
+    w.controls["device"].value = "MI250X GCD 64 GB"
+    assert w.controls["pcie"].value == "Infinity Fabric (Frontier GCD)" and "(36 GB/s each way)" in w.text
+    w.controls["device"].value = "H100 80 GB"
+    assert w.controls["pcie"].value == "PCIe gen5 x16" and "(63 GB/s each way)" in w.text
+
+
+# The parameter counts notebooks 01 and 03 start the widget at, and one a reader types.
+NOTEBOOK_COUNTS = (7.5e9, 7_241_732_096, 6_053_381_344, 1e9)
+
+
+@pytest.mark.parametrize("n", NOTEBOOK_COUNTS)
+def test_parameter_count_is_kept_exactly(n):
+    """Issue 18: a log slider's step moved 7.5e9 to 7.94e9 as the browser drew it. The control is a
+    text box with no step (the browser's input then takes any value): what the notebook sets is shown."""
+    w = wm.MemoryWidget(wm.CUSTOM, n_params=n, parallel=True)
+    control = w.controls["n_params"]
+    assert control.value == n and control.step is None and control.min <= n <= control.max
+    assert w.estimate["n_params"] == int(n) and f"{int(n):,} parameters" in w.text
+
+
+def text_width_px(text: str, size_px: float = 13) -> float:
+    """Width of `text` at JupyterLab's 13 px UI font, measured in DejaVu Sans (wider than the usual UI fonts)."""
+    from matplotlib.textpath import TextPath
+    return TextPath((0, 0), text, size=size_px).get_extents().width
+
+
+def test_control_descriptions_fit_their_labels():
+    """Issue 18: 'GPU memory (...' and 'offload optimizer to ho...': a description wider than its label
+    box is cut off. Every description fits the box; a checkbox's row is as wide as its text."""
+    w = wm.MemoryWidget("22b", parallel=True)
+    for name, control in w.controls.items():
+        if isinstance(control, __import__("ipywidgets").Checkbox):
+            assert control.layout.width == "auto", name
+            continue
+        width = float(control.style.description_width.removesuffix("px"))
+        assert text_width_px(control.description) <= width, f"{name}: {control.description!r}"
+        if isinstance(control, __import__("ipywidgets").Dropdown):  # the menu's box, less its arrow, holds each entry
+            box = float((control.layout.width or "300px").removesuffix("px")) - width - 30
+            assert max(text_width_px(str(label)) for label in control._options_labels) <= box, name
+
+
+def text_boxes(fig):
+    """(text, window extent) of every visible text of the figure: titles, ticks, axis labels, legend, notes."""
+    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
+    if renderer is None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    texts = []
+    for ax in fig.axes:
+        low, high = sorted(ax.get_ylim())
+        shown = [t for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]  # the others are not drawn
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts, *ax.get_xticklabels(), *shown]
+        if ax.get_legend():
+            texts += ax.get_legend().get_texts()
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_visible() and t.get_text()], renderer
+
+
+def notebook_figures():
+    """The memory figures notebooks 01 and 03 show (with their titles), and the widget's at other settings."""
+    yield "03 Figure 1", wm.zero_stages_figure(
+        n_params=7.5e9, dp=64, precision="mixed", gpu_memory_gb=80,
+        title=r"The ZeRO paper's Figure 1: $\Psi$ = 7.5B, $N_d$ = 64, $K$ = 12")
+    yield "03 widget", wm.MemoryWidget("22b", precision="mixed", dp=8, zero=1, device="MI250X GCD 64 GB",
+                                       parallel=True).figure()
+    yield "01 widget", wm.MemoryWidget("22b", precision="mixed", micro_batch=1, gpu_memory_gb=80).figure()
+    w = wm.MemoryWidget(wm.CUSTOM, n_params=7.5e9, dp=64, zero=3, parallel=True, offload=True)
+    yield "custom, offloaded", w.figure()
+    yield "ZeRO-3 measured", wm.measured_vs_predicted_figure(
+        dict(params=1_635_840, grads=1_635_840, optimizer=3_271_888), dict(params=1_635_840, grads=1_635_840,
+        optimizer=3_271_680), categories=("params", "grads", "optimizer"), title="ZeRO-3 on 2 ranks, rank 0")
+
+
+@pytest.mark.parametrize("name, fig", list(notebook_figures()))
+def test_figure_texts_are_whole_and_apart(name, fig):
+    """Issue 18: labels cut off at the figure's edge, "A100 80 GB" written over the ZeRO-0 bar. Every
+    text lies inside the figure, no two texts overlap, and no text other than a bar's total sits on a bar."""
+    boxes, renderer = text_boxes(fig)
+    canvas = fig.bbox
+    for text, box in boxes:
+        assert canvas.x0 - 0.5 <= box.x0 and box.x1 <= canvas.x1 + 0.5 and canvas.y0 - 0.5 <= box.y0 \
+            and box.y1 <= canvas.y1 + 0.5, f"{name}: {text!r} is cut off"
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            assert not box_a.overlaps(box_b), f"{name}: {a!r} overlaps {b!r}"
+    ax = fig.axes[0]
+    bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
+    for t in ax.texts:
+        box = t.get_window_extent(renderer).shrunk(0.9, 0.8)  # a total's box touches its bar's top
+        assert not any(bar.overlaps(box) for bar in bars), f"{name}: {t.get_text()!r} sits on a bar"
+
+
+def test_legend_names_only_what_the_bars_hold():
+    """Issue 18: a parameter count has no activations, and the legend listed them at 0."""
+    fig = wm.zero_stages_figure(gpu_memory_gb=80)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["parameters", "gradients", "optimizer states", "one GPU: 80 GB"]
+    w = wm.MemoryWidget("22b", parallel=True, dp=8, zero=2, offload=True)  # the optimizer is on the host
+    legend = [t.get_text() for t in w.figure().axes[0].get_legend().get_texts()]
+    assert "optimizer states" not in legend and legend[-1] == "A100 80 GB"

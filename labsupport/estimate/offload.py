@@ -23,12 +23,22 @@ fp32 weights are their own master, so the host keeps a copy of them to update. G
 on the device only while nothing shards them (ZeRO-0 and ZeRO-1 average them whole, and then
 hand this rank's partition over); with ZeRO-2 and 3 each bucket is reduce-scattered and its
 partition goes straight to the host (Sec 4.2), so the device holds none between steps (the
-bucket in flight is not counted). Offloading the parameters as well (ZeRO-Infinity) is not modelled.
+bucket in flight is not counted). So the host holds 12 + 2 = 14 bytes per parameter under mixed
+precision (Ren et al., Sec 3.3). Offloading the parameters as well, or any state to NVMe
+(ZeRO-Infinity, Rajbhandari et al. 2021), is not modelled.
 """
 from __future__ import annotations
 
 # PCIe x16, one direction, GB/s (10^9 bytes): 8, 16 and 32 GT/s per lane, 128b/130b encoding.
+# An A100 reaches its host over PCIe 4.0 x16, an H100 over PCIe 5.0 x16 (SXM boards included).
 PCIE_GBPS = {"gen3": 15.75, "gen4": 31.5, "gen5": 63.0}
+# A Frontier MI250X GCD has no PCIe link to its CPU: Infinity Fabric, 36 GB/s each way (OLCF,
+# Frontier User Guide, "Frontier Compute Nodes": "a peak host-to-device (H2D) and device-to-host
+# (D2H) bandwidth of 36+36 GB/s").
+FRONTIER_GCD_HOST_GBPS = 36.0
+# Every host link, by the name the memory widget and notebook 03 use, one direction, GB/s.
+HOST_LINK_GBPS = {**{f"PCIe {gen} x16": gbps for gen, gbps in PCIE_GBPS.items()},
+                  "Infinity Fabric (Frontier GCD)": FRONTIER_GCD_HOST_GBPS}
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from .show import figure_png
 from ..estimate.flops import peak_tflops, training_flops_per_token
 from ..estimate.memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, largest_model_that_fits, recipe_label
-from ..estimate.offload import PCIE_GBPS, offload_pays
+from ..estimate.offload import HOST_LINK_GBPS, offload_pays
 from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -34,10 +34,12 @@ COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "acti
 CUSTOM = "custom"  # the model-menu entry that takes a parameter count instead of a shape
 SHAPE = "custom shape"  # the model-menu entry that takes layers, hidden size, heads and vocabulary
 GB = 10**9  # decimal gigabytes, as in the workshop decks
-ZERO_STAGES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}  # ZeRO Figure 1's names
+ZERO_STAGES = {0: "baseline", 1: "$P_{os}$", 2: "$P_{os+g}$", 3: "$P_{os+g+p}$"}  # ZeRO Figure 1's names, as mathtext
 # Memory per device as marketed, in GB of 10^9 bytes: slightly conservative, the parts hold
 # 80 GiB (85.9e9 bytes) and 64 GiB. An MI250X module is two GCDs, each its own device.
 DEVICES = {"A100 80 GB": 80, "H100 80 GB": 80, "MI250X GCD 64 GB": 64}
+HOST_LINK = {"A100 80 GB": "PCIe gen4 x16", "H100 80 GB": "PCIe gen5 x16",
+             "MI250X GCD 64 GB": "Infinity Fabric (Frontier GCD)"}  # each device's link to its CPU
 MFU = 0.4  # the share of peak FLOP/s a well-tuned large run reaches, to price a step's compute
 
 
@@ -126,7 +128,8 @@ def _unit(largest: float) -> tuple[str, float]:
 
 def _draw_stacked(ax, labels, estimates, gpu_memory_gb=None, title=None, capacity_label=None, highlight=None):
     """Stacked bars (one per estimate, one segment per category) and the GPU's capacity as a line;
-    the bar at index `highlight` is outlined and its label set in bold."""
+    the bar at index `highlight` is outlined and its label set in bold. The legend names the
+    categories that hold bytes (a custom parameter count has no activations) and the line."""
     largest = max(e["total"] for e in estimates)
     gpu = gpu_memory_gb * GB if gpu_memory_gb else None
     show_gpu = gpu is not None and gpu <= 20 * largest  # a line far above tiny bars would flatten them
@@ -140,10 +143,10 @@ def _draw_stacked(ax, labels, estimates, gpu_memory_gb=None, title=None, capacit
     for x, e in zip(xs, estimates):
         ax.annotate(format_bytes(e["total"]), (x, e["total"] / scale), ha="center", va="bottom",
                     xytext=(0, 2), textcoords="offset points", fontsize=9)
-    if show_gpu:
-        ax.axhline(gpu / scale, color="black", linestyle="--", linewidth=1.2)
-        ax.annotate(capacity_label or f"one GPU: {gpu_memory_gb:g} GB", (0, gpu / scale),
-                    xycoords=("axes fraction", "data"), xytext=(4, 3), textcoords="offset points", fontsize=9)
+    handles = [bars for k, bars in zip(CATEGORIES, ax.containers) if any(e[k] for e in estimates)]
+    if show_gpu:  # named in the legend: a label on the line would sit on a bar that crosses it
+        handles.append(ax.axhline(gpu / scale, color="black", linestyle="--", linewidth=1.2,
+                                  label=capacity_label or f"one GPU: {gpu_memory_gb:g} GB"))
     elif gpu is not None:
         ax.text(0.02, 0.97, f"a {gpu_memory_gb:g} GB GPU is far above this scale", transform=ax.transAxes,
                 va="top", fontsize=9)
@@ -155,7 +158,7 @@ def _draw_stacked(ax, labels, estimates, gpu_memory_gb=None, title=None, capacit
                linewidth=2)
         ax.get_xticklabels()[highlight].set_fontweight("bold")
     ax.set_ylabel(f"bytes per device ({unit})")
-    ax.legend(handles=ax.containers[:len(CATEGORIES)], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               fontsize=9)
     if title:
         ax.set_title(title, fontsize=11)
@@ -251,20 +254,22 @@ class MemoryWidget:
                  gpu_memory_gb: float | None = None, device: str = "A100 80 GB", vocab: int | None = None,
                  n_params: float = 7.5e9, seq_len: int | None = None, dp: int = 1, tp: int = 1, pp: int = 1,
                  zero: int = 0, recompute: str = "none", sequence_parallel: bool = False, offload: bool = False,
-                 pcie: str = "gen4", parallel: bool = False):
+                 pcie: str | None = None, parallel: bool = False):
         import ipywidgets as W
 
         self.vocab, self.parallel = vocab, parallel
         if gpu_memory_gb is not None and DEVICES.get(device) != gpu_memory_gb:
             device = CUSTOM
         start_shape = model_shape(model if model not in (CUSTOM, SHAPE) else "22b", vocab)
-        style = {"description_width": "110px"}
+        style = {"description_width": "140px"}  # the longest description, "GPU memory (GB)", in full
+        whole = W.Layout(width="auto")  # a checkbox's text follows the indent: let the row be as wide as it
         menu = ([(preset_label(name), name) for name in PRESETS] + [("custom: a shape", SHAPE)]
                 + [("custom: a parameter count", CUSTOM)])
         c = self.controls = {
-            "model": W.Dropdown(options=menu, value=model, description="model", style=style),
-            "n_params": W.FloatLogSlider(value=n_params, base=10, min=6, max=13, step=0.05,
-                                         description="parameters", readout_format=".3g", style=style),
+            "model": W.Dropdown(options=menu, value=model, description="model", style=style,
+                                layout=W.Layout(width="600px")),
+            # a text box, not a log slider: a slider's step would move 7.5e9 to its nearest notch
+            "n_params": W.BoundedFloatText(value=n_params, min=1e6, max=1e13, description="parameters", style=style),
             "layers": W.BoundedIntText(value=start_shape.n_layers, min=1, max=10_000, description="layers",
                                        style=style),
             "hidden": W.BoundedIntText(value=start_shape.hidden, min=1, max=1_000_000, description="hidden size",
@@ -275,9 +280,10 @@ class MemoryWidget:
             "seq_len": W.BoundedIntText(value=seq_len or start_shape.seq_len, min=1, max=10_000_000,
                                         description="sequence length", style=style),
             "precision": W.Dropdown(options=[(recipe_label(r), r) for r in BYTES_PER_PARAM], value=precision,
-                                    description="precision", style=style, layout=W.Layout(width="520px")),
+                                    description="precision", style=style, layout=W.Layout(width="660px")),
             "micro_batch": W.IntSlider(value=micro_batch, min=1, max=64, description="micro-batch", style=style),
-            "device": W.Dropdown(options=[*DEVICES, CUSTOM], value=device, description="device", style=style),
+            "device": W.Dropdown(options=[*DEVICES, CUSTOM], value=device, description="device", style=style,
+                                 layout=W.Layout(width="340px")),
             "gpu_memory_gb": W.BoundedFloatText(value=gpu_memory_gb or DEVICES[device], min=1, max=100_000, step=8,
                                                 description="GPU memory (GB)", style=style),
             "dp": W.BoundedIntText(value=dp, min=1, max=1_000_000, description="data parallel", style=style),
@@ -286,10 +292,12 @@ class MemoryWidget:
             "zero": W.ToggleButtons(options=list(ZERO_STAGES), value=zero, description="ZeRO stage", style=style),
             "recompute": W.ToggleButtons(options=list(RECOMPUTE), value=recompute, description="recompute",
                                          style=style),
-            "sequence_parallel": W.Checkbox(value=sequence_parallel, description="sequence parallel", style=style),
+            "sequence_parallel": W.Checkbox(value=sequence_parallel, description="sequence parallel", style=style,
+                                            layout=whole),
             "offload": W.Checkbox(value=offload, description="offload optimizer to host (ZeRO-Offload)",
-                                  style=style),
-            "pcie": W.Dropdown(options=list(PCIE_GBPS), value=pcie, description="PCIe (x16)", style=style),
+                                  style=style, layout=whole),
+            "pcie": W.Dropdown(options=list(HOST_LINK_GBPS), value=pcie or HOST_LINK.get(device, "PCIe gen4 x16"),
+                               description="host link", style=style, layout=W.Layout(width="380px")),
         }
         for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
             control.add_class(f"labsupport-memory-{name.replace('_', '-')}")
@@ -330,6 +338,7 @@ class MemoryWidget:
     def _device_changed(self, change):
         if change["new"] in DEVICES:
             self._set("gpu_memory_gb", DEVICES[change["new"]])
+            self._set("pcie", HOST_LINK[change["new"]])
 
     def _memory_changed(self, change):
         if DEVICES.get(self.controls["device"].value) != change["new"]:
@@ -409,14 +418,14 @@ class MemoryWidget:
         text = (f"Offloaded: the host holds {format_bytes(est['host'])} for this device; each step moves "
                 f"{format_bytes(est['pcie_to_host'])} of gradients to the host and "
                 f"{format_bytes(est['pcie_to_device'])} "
-                f"of weights back over PCIe {c['pcie'].value} x16 ({PCIE_GBPS[c['pcie'].value]:g} GB/s).")
+                f"of weights back over {c['pcie'].value} ({HOST_LINK_GBPS[c['pcie'].value]:g} GB/s each way).")
         peaks = peak_tflops(c["device"].value)
         cfg, _, _ = split_options(**self.options())
         if cfg is None or peaks is None:
             return text + " (Pick a model shape and a named device to compare with the step's compute.)"
         tokens = c["micro_batch"].value * cfg.seq_len  # one micro-batch per step: the least compute to hide behind
         step_flops = training_flops_per_token(cfg) * tokens / (c["tp"].value * c["pp"].value)
-        pays = offload_pays(est["pcie"], step_flops, peaks[1] * 1e12, MFU, PCIE_GBPS[c["pcie"].value])
+        pays = offload_pays(est["pcie"], step_flops, peaks[1] * 1e12, MFU, HOST_LINK_GBPS[c["pcie"].value])
         if pays["hidden"]:
             return text + (f" That takes {pays['transfer_s']:.3g} s, hidden behind one micro-batch's "
                            f"{pays['compute_s']:.3g} s of compute (at {MFU:.0%} of its bf16 peak).")
