@@ -205,9 +205,9 @@ ZERO1_WRONG = [
      "shard_range(numel, 1 - comm.get_rank(), comm.get_world_size())",
      r"step 0: on rank 0 adamw updated elements \[32, 64\) \(rank 1's\) of the padded buffer of 64, "
      r"but rank 0 owns \[0, 32\)"),
-    ("    comm.all_gather_into_tensor(flat, shard.clone())", "",
+    ("    comm.all_gather_into_tensor(flat, shard)", "",
      r"step 0: on rank \d the other ranks' parameters are still those before the step.*All-gather the updated shards"),
-    ("comm.all_gather_into_tensor(flat, shard.clone())", "comm.all_gather_into_tensor(grad, grad[start:end].clone())",
+    ("comm.all_gather_into_tensor(flat, shard)", "comm.all_gather_into_tensor(grad, grad[start:end].clone())",
      r"all-gather was called, but .* gather the updated parameter shard into flat, not the gradients"),
     ("shard.grad = grad[start:end]", "shard.grad = grad[:end - start]",
      r"on rank 1 shard.grad is not this rank's slice of the averaged gradients: use grad\[32:64\]"),
@@ -218,6 +218,10 @@ ZERO1_WRONG = [
 def test_zero_exercise_and_bug_labs_on_two_ranks(pool2, capsys):
     status, out = grade("zero1_step", solution("zero1_step"), capsys)
     assert status == ex.SOLVED and "3 steps on 2 ranks" in out, out
+    # the solution gathers in place (its input is a slice of its output); a copy as the input is right too
+    assert "all_gather_into_tensor(flat, shard)" in solution("zero1_step")
+    copied = mutate("zero1_step", "all_gather_into_tensor(flat, shard)", "all_gather_into_tensor(flat, shard.clone())")
+    assert grade("zero1_step", copied, capsys)[0] == ex.SOLVED
     for old, new, feedback in ZERO1_WRONG:
         status, message = grade("zero1_step", mutate("zero1_step", old, new), capsys)
         assert status == ex.WRONG and re.search(feedback, message), (new, message)
@@ -230,7 +234,8 @@ def test_zero_exercise_and_bug_labs_on_two_ranks(pool2, capsys):
     buggy = mutate("shard_block", "            output.register_hook(lambda grad: unit.gather())\n        unit.free()",
                    "            output.register_hook(lambda grad: unit.gather())\n            unit.free()")
     status, out = grade("shard_block", buggy, capsys)
-    assert status == ex.BUGGY and "in evaluation (torch.no_grad), 2 of 2 blocks are still gathered" in out, out
+    assert status == ex.BUGGY and "in evaluation, 2 of 2 blocks are still gathered" in out, out
+    assert "no_grad" not in out  # the symptom, not the cause: the second hint names it
     assert grade("shard_block", solution("shard_block"), capsys)[0] == ex.SOLVED
     template = "def shard_range(numel, rank, world):\n    raise NotImplementedError\n\n\n" \
                "def zero1_step(flat, grad, numel, adamw):\n    raise NotImplementedError\n"

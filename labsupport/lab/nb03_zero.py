@@ -216,8 +216,9 @@ register(Exercise(
            "[r * shard, (r + 1) * shard).",
            "In zero1_step: start, end, _ = shard_range(numel, comm.get_rank(), comm.get_world_size()); "
            "shard = flat[start:end] is a view, so the update lands in the parameters.",
-           "shard.grad = grad[start:end]; adamw(shard); then comm.all_gather_into_tensor(flat, shard.clone()): "
-           "the input must not alias the output."),
+           "shard.grad = grad[start:end]; adamw(shard); then comm.all_gather_into_tensor(flat, shard). The input "
+           "may be this rank's own slice of the output: each rank's piece then lands where it already is (the "
+           "in-place all-gather that NCCL documents, and gloo does the same), so no copy is needed."),
     solution='''
 def shard_range(numel, rank, world):
     shard = -(-numel // world)                      # ceil: pad so that every rank owns as many
@@ -229,7 +230,7 @@ def zero1_step(flat, grad, numel, adamw):
     shard = flat[start:end]                         # a view: updating it updates the parameters
     shard.grad = grad[start:end]                    # this rank's slice of the averaged gradients
     adamw(shard)                                    # Adam's moments exist for this slice only
-    comm.all_gather_into_tensor(flat, shard.clone())  # everyone receives every updated shard
+    comm.all_gather_into_tensor(flat, shard)        # in place: everyone receives every updated shard
 '''))
 
 
@@ -276,7 +277,9 @@ def grade_clip_sharded(fn, source) -> str:
 register(Exercise(
     name="clip_sharded_", notebook="03", ranks=RANKS, title="Find the bug: clipping a sharded gradient",
     grade=grade_clip_sharded, bug_lab=True,
-    hints=("Which gradient does each rank measure? Compare the norm rank 0 returns with rank 1's.",
+    hints=("Look at the norm: compare the one rank 0 returns with the whole gradient's, which the message prints.",
+           "Each rank measures only its shard, so each clips by a factor of its own: the update no longer points "
+           "along the gradient, and its norm is not max_norm.",
            "The whole gradient's squared norm is the sum of the shards' squared norms: all-reduce the sum of "
            "squares (comm.all_reduce(total, 'sum')), then take the root. Every rank then uses the same scale."),
     solution='''
@@ -314,7 +317,7 @@ def check_shard_block(shard_block) -> dict:
             return out
     x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(1))
     rank = comm.get_rank()
-    for mode, context in (("training", torch.enable_grad), ("evaluation (torch.no_grad)", torch.no_grad)):
+    for mode, context in (("training", torch.enable_grad), ("evaluation", torch.no_grad)):
         with context():
             out = on_ranks.on_rank(model, x)
             if out["status"] != "ok":
@@ -342,10 +345,12 @@ def grade_shard_block(fn, source) -> str:
 register(Exercise(
     name="shard_block", notebook="03", ranks=RANKS, title="Find the bug: a ZeRO-3 block that stays gathered",
     grade=grade_shard_block, bug_lab=True,
-    hints=("The check runs one forward pass with gradients and one under torch.no_grad(). In which one does "
-           "a block stay gathered?",
-           "Backward needs the parameters again only in training, so only there is the re-gather hook needed; "
-           "freeing after the forward is needed in both."),
+    hints=("Memory drops in training and not in evaluation. What does an evaluation forward pass do differently, "
+           "and which line of after_forward depends on it?",
+           "Evaluation runs under torch.no_grad(): no output requires grad, so everything under "
+           "`if output.requires_grad:` is skipped, unit.free() included.",
+           "Only the re-gather for backward belongs under the if (backward needs the parameters again only in "
+           "training); free the block after every forward: move unit.free() out of the if."),
     solution='''
 def shard_block(block, unit):
     def before_forward(module, args):
