@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from labsupport.estimate.workshop import HANDS_ON
 from labsupport.lab import exercise as ex
 from labsupport.lab import predict
 
@@ -388,17 +389,18 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
 # ---------------------------------------------------------------- notebook 06 (graded by the planner, no ranks)
 
 LAYOUT_WRONG = [
-    ("    return dict(dp=dp", "    return dict(dp=1, tp=1, pp=1, micro_batch=1, zero=0)\n    return dict(dp=dp",
+    ("    cfg = get_preset(model)\n    best = None", "    return dict(dp=1, tp=1, pp=1, micro_batch=1, zero=0)",
      r"dp x tp x pp = 1 x 1 x 1 = 1, not the 16 GPUs"),
-    ("for tp in (4, 8, 2, 1):", "for tp in (1,):",
-     r"1t on 1024 Frontier GCDs \(global batch 1600\): TP 1 x PP 128 x DP 8, .* fits but takes 380 s a step, 1\.34x "
-     r"the planner's best \(TP 4 x PP 32 x DP 8.*\)\. Where the time goes, yours: .* bubble 144; the best: .* bubble 37\.6"),
-    ("if need[\"total\"] <= usable:", "if True:",
-     r"22b on 16 Frontier GCDs .*needs \d+\.\d GB per GCD, more than the 57\.6 GB usable of 64 GB"),
-    ("return dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute)",
-     "return (dp, tp, pp, 1, zero)", r"should return a dict with keys dp, tp, pp, micro_batch, zero"),
-    ("return dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute)",
-     "return dict(dp=dp, tp=tp, pp=pp, zero=zero)", r"micro_batch missing"),
+    ("for tp in (1, 2, 4, 8):", "for tp in (1,):",
+     r"1t on 1024 Frontier GCDs \(global batch 1024\): TP 1 x PP 128 x DP 8, .* fits but takes 297 s a step, 1\.56x "
+     r"the planner's best \(TP 8 x PP 32 x DP 4.*\)\. Yours against the best: bubble \+124 s, .*TP -23 s\."),
+    ("for tp in (1, 2, 4, 8):", "for tp in (16,):", r"22b on 16 .*TP 16 x PP 1 x DP 1.* Yours against the best: TP \+501 s"),
+    ('["total"] <= USABLE', '["total"] <= 1e15',
+     r"22b on 16 Frontier GCDs .*TP 1 x PP 16 x DP 1, .*no recomputation needs 90\.9 GB per GCD \(model states "
+     r"22\.1 GB, activations 68\.9 GB\), more than the 57\.6 GB usable of 64 GB\. Heavier activation recomputation "
+     r"would shrink it$"),
+    ("    return best[1]", "    return tuple(best[1].values())", r"should return a dict with keys dp, tp, pp, micro_batch, zero"),
+    ("micro_batch=1, zero=zero, recompute=recompute))", "zero=zero, recompute=recompute))", r"micro_batch missing"),
 ]
 
 
@@ -413,17 +415,43 @@ def test_choose_layout_wrong_answers_say_what_does_not_fit_or_where_time_goes(ol
     assert status == ex.WRONG and re.search(feedback, message), message
 
 
-def test_choose_layout_accepts_the_workshops_published_layouts(capsys):
-    """The workshop's own choices (TP 4 x PP 16 for 175B on 16 nodes, TP 8 x PP 64 for 1T on 128) pass."""
-    answer = ('def choose_layout(model, gpus, global_batch):\n'
-              '    return {"22b": dict(dp=1, tp=2, pp=8, micro_batch=1, zero=0),\n'
-              '            "175b": dict(dp=2, tp=4, pp=16, micro_batch=1, zero=1),\n'
-              '            "1t": dict(dp=2, tp=8, pp=64, micro_batch=1, zero=1)}[model]\n')
+def test_choose_layout_refuses_an_answer_from_the_planner(capsys):
+    """One call to the library's solver is not an answer; the planner works again after the check."""
+    from labsupport.estimate import planner
+    asked = ("from labsupport.model import get_preset\n"
+             "def choose_layout(model, gpus, global_batch):\n"
+             "    c = {call}(get_preset(model), MACHINE_NAMES['frontier'], gpus, global_batch)[0]\n"
+             "    return dict(dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, zero=c.zero)\n")
+    for call, namespace in (("plan", {"plan": planner.plan, "MACHINE_NAMES": planner.MACHINE_NAMES}),
+                            ("P.plan", {"P": planner, "MACHINE_NAMES": planner.MACHINE_NAMES})):
+        try:
+            ex.run_cell("choose_layout", asked.format(call=call), namespace)
+        except ex.ExerciseFailed as e:
+            assert "called the planner's `plan`" in str(e), e
+        else:
+            raise AssertionError(f"an answer calling {call} passed")
+    assert namespace["P"].plan is planner.plan and planner.plan.__name__ == "plan"
+
+
+def test_choose_layout_on_the_hands_on_scripts_layouts(capsys):
+    """The scripts' layouts pass when the check picks the recomputation; with their own
+    checkpoint-activations the 22B run pays a third more compute than selective recomputation needs."""
+    layouts = {m: {k: v for k, v in s.layout().items() if k != "recompute"} for m, s in HANDS_ON.items()}
+    answer = f"def choose_layout(model, gpus, global_batch):\n    return {layouts!r}[model]\n"
     status, out = grade("choose_layout", answer, capsys)
-    assert status == ex.SOLVED and "175b 1.19x" in out and "1t 1.01x" in out, out
-    tp16 = answer.replace('dp=2, tp=8, pp=64, micro_batch=1, zero=1', 'dp=1, tp=16, pp=64, micro_batch=1, zero=0')
-    status, message = grade("choose_layout", tp16, capsys)
-    assert status == ex.WRONG and "1t on 1024 Frontier GCDs" in message and "1.97x" in message, message
+    assert status == ex.SOLVED and "22b 1.00x (the planner's best itself)" in out and "175b 1.19x" in out, out
+    full = f"def choose_layout(model, gpus, global_batch):\n    return {dict((m, s.layout()) for m, s in HANDS_ON.items())!r}[model]\n"
+    status, message = grade("choose_layout", full, capsys)
+    assert status == ex.WRONG and "1.30x" in message and "compute +31 s (full recomputation against selective" in message, message
+
+
+def test_choose_layout_does_not_advise_what_an_answer_already_uses(capsys):
+    """A layout with ZeRO-1 and full recomputation that does not fit is told only what is left."""
+    answer = ("def choose_layout(model, gpus, global_batch):\n"
+              "    return dict(dp=8, tp=1, pp=2, micro_batch=1, zero=1, recompute='full')\n")
+    status, message = grade("choose_layout", answer, capsys)
+    assert status == ex.WRONG and "doesn't" not in message and "ZeRO-1 over" not in message, message
+    assert "recomputation would" not in message and "More model parallelism (tp x pp) would shrink it" in message, message
 
 
 def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys):

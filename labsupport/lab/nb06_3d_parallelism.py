@@ -1,6 +1,6 @@
-"""Notebook 06's exercises: choose a 3D layout for the workshop's three models (graded by the
-planner: it must fit, and run within 1.3x of the planner's best step time), and a find-the-bug
-lab (a rank order with data parallelism varying fastest, so tensor-parallel groups straddle nodes).
+"""Notebook 06's exercises: choose a 3D layout for the workshop's three hands-on runs from the
+rules (graded by the planner: it must fit, and run within 1.3x of the planner's best step time),
+and a find-the-bug lab (a rank order with tensor-parallel groups straddling nodes).
 
 Both grade against `labsupport.estimate`: `planner.evaluate` and `planner.plan` for the layout,
 `widgets.rank_grid.layout`'s notion of a group crossing nodes (node k holds ranks k G .. k G + G - 1)
@@ -8,13 +8,17 @@ for the rank order. Nothing here needs ranks: a layout of a thousand GPUs is gra
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ..estimate.memory import RECOMPUTE
+from ..estimate.workshop import HANDS_ON, PLANNER_PRECISION
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
 
-# (model preset, Frontier GCDs, global batch): the workshop's hands-on runs on 2, 16 and 128 nodes.
-LAYOUT_CASES = (("22b", 16, 64), ("175b", 128, 640), ("1t", 1024, 1600))
+# (model preset, Frontier GCDs, global batch): the hands-on scripts' nodes and --global-batch-size.
+LAYOUT_CASES = tuple((model, s.gpus, s.global_batch) for model, s in HANDS_ON.items())
 WITHIN = 1.3              # slower than the planner's best by at most this factor
 KEYS = ("dp", "tp", "pp", "micro_batch", "zero")
+SOLVERS = ("plan", "search", "evaluate", "layouts")   # the planner's: an answer must not call them
 
 
 def _frontier():
@@ -26,10 +30,54 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
+PARTS = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble")
+PART_NAMES = dict(compute="compute", tp_comm="TP", pp_comm="PP", dp_comm="DP", bubble="bubble")
+
+
 def _parts(c) -> str:
     """Where a layout's step goes, in seconds: what to compare with the best one."""
-    return (f"compute {c.compute_s:.3g}, TP {c.tp_comm_s:.3g}, PP {c.pp_comm_s:.3g}, DP {c.dp_comm_s:.3g}, "
-            f"bubble {c.bubble_s:.3g}")
+    return ", ".join(f"{PART_NAMES[p]} {getattr(c, p + '_s'):.3g}" for p in PARTS)
+
+
+_RECOMPUTE_WORDS = dict(none="no recomputation", selective="selective recomputation", full="full recomputation")
+
+
+def _difference(mine, best) -> str:
+    """The parts of the step where an answer loses (or wins) time against the planner's best."""
+    deltas = sorted(((getattr(mine, p + "_s") - getattr(best, p + "_s"), p) for p in PARTS), reverse=True)
+    shown = [f"{PART_NAMES[p]} {d:+.3g} s" + (f" ({_RECOMPUTE_WORDS[mine.recompute]} against {_RECOMPUTE_WORDS[best.recompute]})"
+                                              if p == "compute" and mine.recompute != best.recompute else "")
+             for d, p in deltas if abs(d) >= 0.01 * best.step_time_s]
+    return ", ".join(shown) if shown else "no part more than 1% of the step apart"
+
+
+@contextmanager
+def _without_planner(fn):
+    """While `fn` runs, the planner's solvers refuse: the answer must come from the rules. They are
+    swapped in the planner module and wherever `fn`'s globals name them (a notebook imports them)."""
+    from ..estimate import planner
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise Wrong(f"choose_layout called the planner's `{name}`: the exercise is to choose as the planner "
+                        "would, from the rules (estimate_memory, the bubble (p - 1)/m, the cost of TP's and DP's "
+                        "collectives), and let the check compare with the planner")
+        return refused
+
+    originals = {name: getattr(planner, name) for name in SOLVERS}
+    space = getattr(fn, "__globals__", {})
+    aliases = {k: v for k, v in space.items() if any(v is o for o in originals.values())}
+    by_id = {id(o): name for name, o in originals.items()}
+    try:
+        for name in SOLVERS:
+            setattr(planner, name, refuse(name))
+        for k, v in aliases.items():
+            space[k] = refuse(by_id[id(v)])
+        yield
+    finally:
+        for name, o in originals.items():
+            setattr(planner, name, o)
+        space.update(aliases)
 
 
 def _layout(got, call: str) -> dict:
@@ -51,14 +99,31 @@ def graded_config(cfg, gpus: int, global_batch: int, layout: dict):
     machine = _frontier()
     fixed = {k: layout[k] for k in KEYS}
     choices = [layout["recompute"]] if layout.get("recompute") is not None else list(RECOMPUTE)
-    configs = [evaluate(cfg, machine, gpus, global_batch, **fixed, recompute=r) for r in choices]
+    configs = [evaluate(cfg, machine, gpus, global_batch, **fixed, recompute=r, precision=PLANNER_PRECISION)
+               for r in choices]
     fitting = [c for c in configs if c.fits]
     if fitting:
         return min(fitting, key=lambda c: c.step_time_s)
     return min(configs, key=lambda c: c.memory_per_gpu)
 
 
+def _shrink_advice(c) -> str:
+    """What would shrink a layout that does not fit: only what the layout does not use yet."""
+    advice = ["a smaller micro-batch"] if c.micro_batch > 1 else []
+    if c.dp > 1:
+        advice.append("more model parallelism (tp x pp)")
+    if c.dp > 1 and c.zero == 0:
+        advice.append("ZeRO-1 over the DP ranks")
+    if c.recompute != "full":
+        advice.append("heavier activation recomputation")
+    if not advice:
+        return "Nothing in the layout shrinks it further on these GPUs"
+    text = ", ".join(advice[:-1]) + (" or " if len(advice) > 1 else "") + advice[-1] + " would shrink it"
+    return text[0].upper() + text[1:]
+
+
 def grade_choose_layout(fn, source) -> str:
+    from ..estimate.memory import estimate_memory
     from ..estimate.planner import describe, plan, usable_bytes
     from ..model import get_preset
     machine = _frontier()
@@ -66,7 +131,8 @@ def grade_choose_layout(fn, source) -> str:
     for model, gpus, batch in LAYOUT_CASES:
         call = f"choose_layout({model!r}, {gpus}, {batch})"
         try:
-            got = attempt(fn, model, gpus, batch)
+            with _without_planner(fn):
+                got = attempt(fn, model, gpus, batch)
         except (Wrong, Unsolved):
             raise
         except Exception as e:
@@ -79,55 +145,83 @@ def grade_choose_layout(fn, source) -> str:
             raise Wrong(f"{call}: {e}") from None
         where = f"{model} on {gpus} Frontier GCDs (global batch {batch})"
         if not mine.fits:
-            raise Wrong(f"{where}: {describe(mine)} needs {_gb(mine.memory_per_gpu)} per GCD, more than the "
-                        f"{_gb(usable_bytes(machine))} usable of 64 GB. More model parallelism (tp x pp), ZeRO-1 "
-                        "over the DP ranks, or activation recomputation shrink it")
-        best = plan(cfg, machine, gpus, batch)[0]
+            m = estimate_memory(cfg, micro_batch=mine.micro_batch, precision=PLANNER_PRECISION, dp=mine.dp,
+                                tp=mine.tp, pp=mine.pp, zero=mine.zero, recompute=mine.recompute)
+            states = m["params"] + m["grads"] + m["optimizer"]
+            raise Wrong(f"{where}: {describe(mine)} needs {_gb(mine.memory_per_gpu)} per GCD (model states "
+                        f"{_gb(states)}, activations {_gb(m['activations'])}), more than the "
+                        f"{_gb(usable_bytes(machine))} usable of 64 GB. {_shrink_advice(mine)}")
+        best = plan(cfg, machine, gpus, batch, precision=PLANNER_PRECISION)[0]
         ratio = mine.step_time_s / best.step_time_s
         if ratio > WITHIN:
             raise Wrong(f"{where}: {describe(mine)} fits but takes {mine.step_time_s:.3g} s a step, {ratio:.2f}x the "
-                        f"planner's best ({describe(best)}, {best.step_time_s:.3g} s). Where the time goes, yours: "
-                        f"{_parts(mine)}; the best: {_parts(best)}")
-        verdicts.append(f"{model} {ratio:.2f}x")
-    return (f"every layout fits and runs within {WITHIN}x of the planner's best step time on Frontier "
-            f"({', '.join(verdicts)})")
+                        f"planner's best ({describe(best)}, {best.step_time_s:.3g} s). Yours against the best: "
+                        f"{_difference(mine, best)}. Where the time goes, yours: {_parts(mine)}; the best: "
+                        f"{_parts(best)}")
+        same = describe(mine) == describe(best)
+        verdicts.append(f"{model} {ratio:.2f}x" + (" (the planner's best itself)" if same else
+                                                   f" (the best: {describe(best)}; yours against it: "
+                                                   f"{_difference(mine, best)})"))
+    return (f"every layout fits and runs within {WITHIN}x of the planner's best step time on Frontier: "
+            + "; ".join(verdicts))
 
 
 register(Exercise(
-    name="choose_layout", notebook="06", title="Choose the 3D layout of the workshop's runs",
+    name="choose_layout", notebook="06", title="Choose the 3D layouts of the workshop's hands-on runs",
     grade=grade_choose_layout,
-    hints=("Start from memory: `estimate_memory(get_preset(model), micro_batch=1, dp=..., tp=..., pp=..., zero=1, "
-           "recompute=...)['total']` must stay under 90% of a GCD's 64 GB. The model-parallel size tp x pp is "
-           "what divides the weights; dp = gpus / (tp x pp) must divide the global batch.",
-           "Narayanan et al.'s takeaways: TP inside a node (at most 8 on Frontier), pipeline stages across nodes, "
-           "model parallelism only as large as memory needs, the rest data parallel with ZeRO-1, micro-batch 1 so "
-           "that the pipeline gets many micro-batches. Recomputation costs compute: use the lightest that fits.",
-           "Run `plan(get_preset(model), MACHINE_NAMES['frontier'], gpus, batch)[:5]` and read `why(...)` for the "
-           "best: then ask which of its choices you would have made yourself, and why."),
+    hints=("Start from memory: `estimate_memory(get_preset(model), dp=..., tp=..., pp=..., zero=1, "
+           "recompute=...)['total']` must stay under 90% of a GCD's 64 GB. tp must divide the heads, pp the "
+           "layers, and dp = gpus / (tp x pp) the global batch.",
+           "Among the layouts that fit, the rules weigh three costs against the compute: the bubble, (p - 1)/m "
+           "of it with m = global batch / dp micro-batches of 1; TP's 4 all-reduces of b s h 16-bit values per "
+           "layer and micro-batch (6 with full recomputation, whose extra forward also costs a third more "
+           "compute), on the node's 50 GB/s if tp <= 8; DP's sync of the 2-byte gradients of a tp x pp share, "
+           "once a step over the network. `all_reduce_ring(nbytes, p, alpha, beta)` from "
+           "labsupport.estimate.comm_cost prices a collective.",
+           "Put the costs into one estimate of the step in seconds (compute: 24 s h^2 FLOPs per layer and "
+           "sequence forward, x3 with backward, at about 60% of a GCD's 191.5 TFLOP/s) and take the fastest "
+           "layout that fits, with ZeRO-1 whenever dp > 1."),
     solution='''
+from labsupport.estimate.comm_cost import all_reduce_ring
 from labsupport.estimate.memory import estimate_memory
+from labsupport.estimate.params import count_params
 from labsupport.model import get_preset
+
+USABLE = 0.9 * 64e9                 # bytes of a GCD's 64 GB a run can count on
+SPEED = 0.6 * 191.5e12              # FLOP/s a GCD's matmuls reach: 60% of its bf16 peak
+NODE, NETWORK = 50e9, 12.5e9        # bytes/s per GCD: Infinity Fabric, and a bound for Slingshot
+
+
+def step_estimate(cfg, dp, tp, pp, m, recompute):
+    """Seconds per step: compute (4/3 of it with full recomputation), TP's all-reduces (4 per layer
+    and micro-batch, 6 with full recomputation), both stretched by the bubble (p - 1)/m, and DP's
+    once-a-step gradient sync over the network."""
+    layers = m * cfg.n_layers // pp                                # layer passes per GCD per step
+    compute = layers * 24 * cfg.seq_len * cfg.hidden ** 2 / tp * (4 if recompute == "full" else 3) / SPEED
+    activation = 2 * cfg.seq_len * cfg.hidden                        # b s h 16-bit values, b = 1
+    tp_s = layers * (6 if recompute == "full" else 4) * all_reduce_ring(activation, tp, 5e-6, 1 / NODE)
+    dp_s = all_reduce_ring(2 * count_params(cfg) / (tp * pp), dp, 10e-6, 1 / NETWORK)
+    return (compute + tp_s) * (1 + (pp - 1) / m) + dp_s
 
 
 def choose_layout(model, gpus, global_batch):
-    """The lightest recomputation that lets anything fit; then the smallest model-parallel group
-    tp x pp that fits, trying TP 4 first (on Frontier's 50 GB/s Infinity Fabric TP 8's
-    all-reduces cost more than a deeper pipeline), ZeRO-1 over the rest, micro-batch 1."""
+    """TP inside a node, micro-batch 1, ZeRO-1 over the data-parallel copies; for each split the
+    lightest recomputation that fits; of those, the fastest by the estimate."""
     cfg = get_preset(model)
-    usable = 0.9 * 64e9
-    for recompute in ("none", "selective", "full"):
-        for size in range(1, gpus + 1):                      # tp x pp, smallest first
-            for tp in (4, 8, 2, 1):
-                pp = size // tp
-                if tp * pp != size or cfg.heads % tp or cfg.n_layers % pp or gpus % size:
-                    continue
-                dp = gpus // size
-                if global_batch % dp:
-                    continue
-                zero = 1 if dp > 1 else 0
-                need = estimate_memory(cfg, micro_batch=1, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute)
-                if need["total"] <= usable:
-                    return dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute)
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, cfg.n_layers + 1):
+            if cfg.heads % tp or cfg.n_layers % pp or gpus % (tp * pp) or global_batch % (gpus // (tp * pp)):
+                continue
+            dp = gpus // (tp * pp)
+            zero = 1 if dp > 1 else 0
+            for recompute in ("none", "selective", "full"):
+                if estimate_memory(cfg, dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute)["total"] <= USABLE:
+                    seconds = step_estimate(cfg, dp, tp, pp, global_batch // dp, recompute)
+                    if best is None or seconds < best[0]:
+                        best = (seconds, dict(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=zero, recompute=recompute))
+                    break
+    return best[1]
 '''))
 
 
