@@ -39,6 +39,8 @@ FRONTIER_GCD_HOST_GBPS = 36.0
 # Every host link, by the name the memory widget and notebook 03 use, one direction, GB/s.
 HOST_LINK_GBPS = {**{f"PCIe {gen} x16": gbps for gen, gbps in PCIE_GBPS.items()},
                   "Infinity Fabric (Frontier GCD)": FRONTIER_GCD_HOST_GBPS}
+DEVICE_HOST_LINK = {"A100 80 GB": "PCIe gen4 x16", "H100 80 GB": "PCIe gen5 x16",
+                    "MI250X GCD 64 GB": "Infinity Fabric (Frontier GCD)"}  # each accelerator's link to its CPU
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from .show import figure_png
 from ..estimate.flops import peak_tflops, training_flops_per_token
 from ..estimate.memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, largest_model_that_fits, recipe_label
-from ..estimate.offload import HOST_LINK_GBPS, offload_pays
+from ..estimate.offload import DEVICE_HOST_LINK, HOST_LINK_GBPS, offload_pays
 from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -38,8 +38,6 @@ ZERO_STAGES = {0: "baseline", 1: "$P_{os}$", 2: "$P_{os+g}$", 3: "$P_{os+g+p}$"}
 # Memory per device as marketed, in GB of 10^9 bytes: slightly conservative, the parts hold
 # 80 GiB (85.9e9 bytes) and 64 GiB. An MI250X module is two GCDs, each its own device.
 DEVICES = {"A100 80 GB": 80, "H100 80 GB": 80, "MI250X GCD 64 GB": 64}
-HOST_LINK = {"A100 80 GB": "PCIe gen4 x16", "H100 80 GB": "PCIe gen5 x16",
-             "MI250X GCD 64 GB": "Infinity Fabric (Frontier GCD)"}  # each device's link to its CPU
 MFU = 0.4  # the share of peak FLOP/s a well-tuned large run reaches, to price a step's compute
 
 
@@ -296,7 +294,8 @@ class MemoryWidget:
                                             layout=whole),
             "offload": W.Checkbox(value=offload, description="offload optimizer to host (ZeRO-Offload)",
                                   style=style, layout=whole),
-            "pcie": W.Dropdown(options=list(HOST_LINK_GBPS), value=pcie or HOST_LINK.get(device, "PCIe gen4 x16"),
+            "pcie": W.Dropdown(options=list(HOST_LINK_GBPS),
+                               value=pcie or DEVICE_HOST_LINK.get(device, DEVICE_HOST_LINK["A100 80 GB"]),
                                description="host link", style=style, layout=W.Layout(width="380px")),
         }
         for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
@@ -338,7 +337,7 @@ class MemoryWidget:
     def _device_changed(self, change):
         if change["new"] in DEVICES:
             self._set("gpu_memory_gb", DEVICES[change["new"]])
-            self._set("pcie", HOST_LINK[change["new"]])
+            self._set("pcie", DEVICE_HOST_LINK[change["new"]])
 
     def _memory_changed(self, change):
         if DEVICES.get(self.controls["device"].value) != change["new"]:
