@@ -6,11 +6,75 @@ import pytest
 
 matplotlib.use("Agg")
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
+from matplotlib.textpath import TextPath  # noqa: E402
+
 from labsupport.estimate.planner import (MACHINE_NAMES, explain_no_fit, plan, search, step_flops,  # noqa: E402
                                          usable_bytes, why)
 from labsupport.model import PRESETS  # noqa: E402
 from labsupport.widgets import planner as pw  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
+
+# ---------------------------------------------------------------- layout checks, shared with the rank grid's tests
+
+
+def drawn_texts(fig) -> list:
+    """Every text the PNG shows: titles, labels, annotations, legend entries, the tick labels in view."""
+    texts = list(fig.texts) + [t for legend in fig.legends for t in legend.get_texts()]
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, *ax.texts]
+        texts += ax.get_legend().get_texts() if ax.get_legend() else []
+        if ax.axison:
+            texts += [ax.xaxis.label, ax.yaxis.label]
+            for axis in (ax.xaxis, ax.yaxis):
+                low, high = sorted(axis.get_view_interval())
+                texts += [tick.label1 for tick in axis.get_major_ticks() + axis.get_minor_ticks()
+                          if low <= tick.get_loc() <= high and tick.label1.get_visible()]
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def figure_defects(fig) -> list[str]:
+    """What a reader would trip over in the PNG: a text cut off at the edge, two texts on top of
+    each other (tick labels included), a legend inside a plot (where it hides or crowds the data)."""
+    fig.set_dpi(sh.DPI)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+    page = fig.bbox
+    defects = [f"cut off: {text!r}" for text, b in boxes
+               if b.x0 < page.x0 or b.y0 < page.y0 or b.x1 > page.x1 or b.y1 > page.y1]
+    defects += [f"on top of each other: {a!r}, {b!r}" for i, (a, box) in enumerate(boxes)
+                for b, other in boxes[i + 1:] if box.overlaps(other)]
+    legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    defects += [f"legend {[t.get_text() for t in legend.get_texts()][:2]} inside the plot {ax.get_title()!r}"
+                for legend in legends for ax in fig.axes
+                if legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))]
+    return defects
+
+
+def text_px(text: str) -> float:
+    """The width of `text` at JupyterLab's 13 px widget font, measured in DejaVu Sans (wider than
+    the browsers' UI fonts, so a text that fits here fits there)."""
+    return TextPath((0, 0), text, size=13, prop=FontProperties(family="DejaVu Sans")).get_extents().width
+
+
+def cut_off_controls(controls: dict) -> list[str]:
+    """Control descriptions wider than their description_width, and menu entries wider than the
+    menu (the control's width, 300 px unless set, less its description and ~40 px of padding and
+    arrow): the browser cuts them off with an ellipsis."""
+    from ipywidgets import Dropdown
+
+    cut = []
+    for name, control in controls.items():
+        label_px = int(control.style.description_width.removesuffix("px"))
+        if text_px(control.description) > label_px:
+            cut.append(f"{name}: {control.description!r}")
+        if isinstance(control, Dropdown):
+            menu_px = int((control.layout.width or "300px").removesuffix("px")) - label_px - 40
+            cut += [f"{name}: {label!r}" for label in control._options_labels if text_px(label) > menu_px]
+    return cut
 
 
 def expected_rows(configs, cfg, global_batch, top=5):
@@ -72,8 +136,10 @@ def test_the_figure_splits_the_fastest_step_times_into_their_parts():
     assert heights == pytest.approx([getattr(c, part) for part in pw.PARTS for c in top])  # stacked: part by part
     assert [sum(heights[i::4]) for i in range(4)] == pytest.approx([c.step_time_s for c in top])
     assert [t.get_text() for t in parts_ax.texts] == [f"{c.step_time_s:.3g} s" for c in top]
-    # the right panel without a search: every fitting layout, and the usable memory as a line
-    assert sum(len(col.get_offsets()) for col in memory_ax.collections) == len(w.planned.configs)
+    # the right panel without a search: every fitting layout, the 4 fastest ringed, the usable memory as a line
+    *dots, rings = memory_ax.collections
+    assert sum(len(col.get_offsets()) for col in dots) == len(w.planned.configs)
+    assert rings.get_offsets().tolist() == [[c.memory_per_gpu / 1e9, c.step_time_s] for c in top]
     (usable,) = memory_ax.get_lines()
     assert usable.get_xdata()[0] == pytest.approx(usable_bytes(MACHINE_NAMES["frontier"]) / 1e9)
 
@@ -87,7 +153,9 @@ def test_search_mode_draws_the_trajectory():
     ax = w.figure().axes[1]
     assert ax.get_title() == "random search: 50 samples (seed 0)"
     best_so_far, best_of_all = ax.get_lines()
-    assert list(best_so_far.get_ydata()) == [s.best_s for s in trajectory if s.step_time_s is not None]
+    fit = [s for s in trajectory if s.step_time_s is not None]
+    assert list(best_so_far.get_xdata()) == [s.index + 1 for s in fit] + [50]  # samples numbered from 1
+    assert list(best_so_far.get_ydata()) == [s.best_s for s in fit] + [fit[-1].best_s]
     assert best_of_all.get_ydata()[0] == w.planned.configs[0].step_time_s
     samples, oom = ax.collections
     assert len(samples.get_offsets()) + len(oom.get_offsets()) == 50
@@ -108,6 +176,44 @@ def test_static_figure_stands_in_for_the_widget(monkeypatch):
     sh.show(w, w.figure())
     (bundle,) = shown
     assert sh.WIDGET_VIEW in bundle and base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("options", [
+    dict(model="175b", machine="frontier", gpus=1024, global_batch=1600, samples=40),  # notebook 06's
+    dict(model="175b", machine="frontier", gpus=1024, global_batch=1600),
+    dict(model="1t", machine="frontier", gpus=3072, global_batch=8016, samples=200),
+    dict(model="22b", machine="dgx-a100", gpus=64, global_batch=512, samples=30),
+    dict(model="gpt2", machine="dgx-h100", gpus=8, global_batch=64, samples=10)])
+def test_nothing_in_the_figure_is_cut_off_covered_or_on_top_of_another(options):
+    """Issue 18: the search plot's legend sat on its points, the best line under the lowest tick."""
+    assert figure_defects(pw.planner_figure(**options)) == []
+
+
+def test_the_search_plot_numbers_samples_from_1_and_labels_the_best_line():
+    """Issue 18: the x axis began at 0 with a tick every 5 and the dashed best line lay on the
+    lowest tick label with nothing saying its value. Now sample 1 is the first tick, the best of all
+    layouts says its step time on its line, inside the axes, and the crosses of the samples out
+    of memory are in a strip above every point."""
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, samples=40)
+    fig = w.figure()
+    ax = fig.axes[1]
+    figure_defects(fig)  # draws it
+    renderer = fig.canvas.get_renderer()
+    assert ax.get_xticks()[0] == 1 and ax.get_xlim() == (0.5, 40.5)
+    best = w.planned.configs[0].step_time_s
+    (label,) = [t for t in ax.texts if t.get_text() == f"best of all {len(w.planned.configs)} layouts: {best:.3g} s"]
+    inside = ax.get_window_extent(renderer)
+    extent = label.get_window_extent(renderer)
+    assert inside.y0 < extent.y0 and extent.y1 < ax.transData.transform((1, best))[1] <= inside.y1
+    samples, oom = (c.get_offset_transform().transform(c.get_offsets()) for c in ax.collections)
+    assert len(oom) and oom[:, 1].min() > samples[:, 1].max() + 10  # pixels
+    best_so_far = ax.get_lines()[0]
+    assert best_so_far.get_xdata()[-1] == 40  # drawn to the last sample, which ran out of memory
+
+
+def test_the_controls_show_their_whole_labels():
+    """Issue 18 (a model menu's entries cut off in JupyterLab)."""
+    assert cut_off_controls(pw.PlannerWidget().controls) == []
 
 
 def test_menus():

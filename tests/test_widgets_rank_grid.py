@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 from labsupport.parallel.mesh import Mesh, groups_along  # noqa: E402
 from labsupport.widgets import rank_grid as rg  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
+from test_widgets_planner import cut_off_controls, figure_defects  # noqa: E402
 
 BAD_ORDER = ("dp", "pp", "tp")  # DP fastest: notebook 06's find-the-bug lab
 
@@ -135,6 +136,50 @@ def test_static_figure_stands_in_for_the_widget(monkeypatch):
     sh.show(w, w.figure())
     (bundle,) = shown
     assert sh.WIDGET_VIEW in bundle and base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+
+
+def test_the_legend_says_which_colour_is_which_group():
+    """Issue 18: with colour_by="all" the three bands shared one palette and nothing said which
+    group a colour was. Each axis now has its own hue, and the legend has a column per axis that
+    names every group's ranks in the colour its cells carry."""
+    lay = rg.layout(2, 2, 2, 4)
+    fig = rg.rank_grid_figure(2, 2, 2, 4, colour_by="all")
+    (legend,) = fig.legends
+    entries = [(t.get_text(), h.get_facecolor()) for t, h in zip(legend.get_texts(), legend.legend_handles)]
+    assert legend._ncols == 3 and len(entries) == 12  # 4 groups per axis, one column each
+    cells = {}  # (band's lower edge, colour) of every band, by rank
+    for patch in fig.axes[0].patches:
+        if patch.get_linewidth() == 0:  # a band, not a cell's outline or a node's box
+            x, y = patch.get_xy()
+            cells.setdefault(round(x) + 4 * round(-y / 1.3), []).append((y, patch.get_facecolor()))
+    for k, axis in enumerate(rg.ORDER):
+        for i, group in enumerate(lay.groups[axis]):
+            text, colour = entries[4 * k + i]
+            assert text == f"{axis.upper()} group {i}: ranks {', '.join(map(str, group.ranks))}"
+            for rank in group.ranks:  # the band k from the top of each of its cells
+                assert sorted(cells[rank], key=lambda band: -band[0])[k][1] == colour, (axis, i, rank)
+    hues = {axis: {entries[4 * k + i][1][:3] for i in range(4)} for k, axis in enumerate(rg.ORDER)}
+    assert not (hues["tp"] & hues["pp"] or hues["pp"] & hues["dp"] or hues["tp"] & hues["dp"])
+    (one_axis,) = rg.rank_grid_figure(2, 2, 2, 4, order=BAD_ORDER).legends
+    assert [t.get_text() for t in one_axis.get_texts()] == [
+        f"TP group {i}: ranks {a}, {b}" for i, (a, b) in enumerate([(0, 4), (2, 6), (1, 5), (3, 7)])]
+    many = [t.get_text() for t in rg.rank_grid_figure(32, 2, 1, 8, colour_by="tp").legends[0].get_texts()]
+    assert len(many) == rg.LEGEND_GROUPS + 1 and many[-1] == f"... {32 - rg.LEGEND_GROUPS} more TP groups"
+
+
+@pytest.mark.parametrize("grid", [dict(colour_by="all"), dict(order=BAD_ORDER),
+                                  dict(dp=4, tp=2, pp=1, devices_per_node=8),
+                                  dict(dp=8, tp=4, pp=2, devices_per_node=8, colour_by="all"),
+                                  dict(dp=1, tp=1, pp=1, devices_per_node=1, colour_by="dp")])
+def test_nothing_in_the_figure_is_cut_off_covered_or_on_top_of_another(grid):
+    assert figure_defects(rg.rank_grid_figure(**grid)) == []
+    traffic = [{"tp": counts(10**6), "pp": counts(10**4), "embedding": counts(10), "dp": counts(10**5)}] * 8
+    assert figure_defects(rg.rank_grid_figure(2, 2, 2, 4, order=BAD_ORDER, traffic=traffic)) == []
+
+
+def test_the_controls_show_their_whole_labels():
+    """Issue 18: "rank order, fastest first" was cut to "rank order, fastes..." in JupyterLab."""
+    assert cut_off_controls(rg.RankGridWidget().controls) == []
 
 
 @pytest.mark.multiprocess

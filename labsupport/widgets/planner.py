@@ -16,10 +16,11 @@ only chooses the inputs, formats the outputs and draws them:
 from __future__ import annotations
 
 import html
+import math
 import textwrap
 from typing import NamedTuple
 
-from matplotlib.ticker import LogFormatter
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from ..estimate.machines import Machine
 from ..estimate.memory import RECOMPUTE
@@ -122,49 +123,70 @@ def _draw_parts(ax, configs: list[Config]) -> None:
     ax.set_ylabel("seconds per optimizer step")
 
 
-def _log_seconds(ax) -> None:
-    """A log axis of step times labelled 40, 60, 100 rather than 4 x 10^1."""
+def _log_seconds(ax, times: list[float], headroom: float = 1.0) -> None:
+    """A log axis of step times labelled 40, 60, 100 rather than 4 x 10^1, with a margin of a
+    quarter below the fastest (room for a label under it) and `headroom` (a fraction of the
+    height) left empty above the slowest."""
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(LogFormatter())
     ax.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(1, 0.4)))
+    low, high = math.log10(min(times) / 1.25), math.log10(max(times) * 1.1)
+    ax.set_ylim(10 ** low, 10 ** (low + (high - low) / headroom))
     ax.set_ylabel("step s")
 
 
+def _legend_below(ax, ncols: int) -> None:
+    """The panel's legend under its x label, where it covers no point."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=ncols, fontsize=7, frameon=False)
+
+
 def _draw_search(ax, p: Planned) -> None:
-    """As the workshop's DeepHyper plot: each sample's step time, the best so far, and the best of
-    all layouts; samples that ran out of memory are crosses along the top."""
+    """As the workshop's DeepHyper plot: each sample's step time (numbered from 1) and the best so
+    far, against the best of all layouts, labelled on its line; samples that ran out of memory are
+    crosses in a strip along the top, above every point."""
+    n, best = len(p.trajectory), p.configs[0].step_time_s
     fit = [s for s in p.trajectory if s.step_time_s is not None]
-    ax.scatter([s.index for s in fit], [s.step_time_s for s in fit], s=14, color="#4C72B0", label="sample")
-    ax.step([s.index for s in fit], [s.best_s for s in fit], where="post", color="black", label="best so far")
-    oom = [s.index for s in p.trajectory if s.step_time_s is None]
-    ax.scatter(oom, [0.97] * len(oom), transform=ax.get_xaxis_transform(), marker="x", color="#C44E52",
+    xs = [s.index + 1 for s in fit]
+    ax.scatter(xs, [s.step_time_s for s in fit], s=14, color="#4C72B0", label="sample")
+    if fit:  # the best so far holds to the last sample, fitting or not
+        ax.step(xs + [n], [s.best_s for s in fit] + [fit[-1].best_s], where="post", color="black",
+                label="best so far")
+    oom = [s.index + 1 for s in p.trajectory if s.step_time_s is None]
+    ax.scatter(oom, [0.95] * len(oom), transform=ax.get_xaxis_transform(), marker="x", color="#C44E52",
                label="out of memory")
-    ax.axhline(p.configs[0].step_time_s, color="gray", linestyle="--", linewidth=1,
-               label=f"best of all {len(p.configs)} layouts")
-    _log_seconds(ax)
+    ax.axhline(best, color="gray", linestyle="--", linewidth=1)
+    ax.annotate(f"best of all {len(p.configs)} layouts: {best:.3g} s", (1, best), xycoords=("axes fraction", "data"),
+                xytext=(-3, -3), textcoords="offset points", ha="right", va="top", fontsize=7, color="dimgray")
+    _log_seconds(ax, [best] + [s.step_time_s for s in fit], headroom=0.85)
+    ax.set_xlim(0.5, n + 0.5)
+    ticks = [t for t in MaxNLocator(nbins=5, steps=[1, 2, 5, 10], integer=True).tick_values(1, n) if 1 < t <= n]
+    ax.set_xticks([1] + ticks)
     ax.set_xlabel("sample")
-    ax.set_title(f"random search: {len(p.trajectory)} samples (seed {p.seed})", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title(f"random search: {n} samples (seed {p.seed})", fontsize=10)
+    _legend_below(ax, 3)
 
 
 def _draw_memory(ax, p: Planned, top: int) -> None:
-    """Every layout that fits: step time against memory per GPU, by recomputation, the fastest numbered."""
+    """Every layout that fits: step time against memory per GPU, by recomputation; the fastest
+    ringed (they are the bars on the left), #1 labelled."""
     for recompute, color in RECOMPUTE_COLORS.items():
         mine = [c for c in p.configs if c.recompute == recompute]
         if mine:
             ax.scatter([c.memory_per_gpu / 1e9 for c in mine], [c.step_time_s for c in mine], s=14, color=color,
-                       label=f"{recompute} recomputation")
-    for i, c in enumerate(p.configs[:top], 1):
-        ax.annotate(f"#{i}", (c.memory_per_gpu / 1e9, c.step_time_s), xytext=(3, 3), textcoords="offset points",
-                    fontsize=7)
+                       label=f"{'no' if recompute == 'none' else recompute} recomputation")
+    fastest = p.configs[:top]
+    ax.scatter([c.memory_per_gpu / 1e9 for c in fastest], [c.step_time_s for c in fastest], s=70,
+               facecolors="none", edgecolors="black", linewidths=1, label=f"the {len(fastest)} fastest")
+    ax.annotate("#1", (fastest[0].memory_per_gpu / 1e9, fastest[0].step_time_s), xytext=(0, -7),
+                textcoords="offset points", ha="center", va="top", fontsize=7)
     usable = usable_bytes(p.machine) / 1e9
     ax.axvline(usable, color="black", linestyle="--", linewidth=1,
                label=f"usable: {USABLE_MEMORY:.0%} of {p.machine.memory_gb:g} GB")
     ax.set_xlim(0, p.machine.memory_gb)
-    _log_seconds(ax)
+    _log_seconds(ax, [c.step_time_s for c in p.configs])
     ax.set_xlabel("GB per GPU")
     ax.set_title(f"every layout that fits ({len(p.configs)})", fontsize=10)
-    ax.legend(fontsize=7)
+    _legend_below(ax, 3)
 
 
 def _figure(p: Planned, top: int = 5):
@@ -210,7 +232,7 @@ class PlannerWidget:
         style = {"description_width": "130px"}
         c = self.controls = {
             "model": W.Dropdown(options=[(preset_label(n), n) for n in MODELS], value=model, description="model",
-                                style=style, layout=W.Layout(width="460px")),
+                                style=style, layout=W.Layout(width="580px")),
             "machine": W.Dropdown(options=[(m.name, name) for name, m in MACHINE_NAMES.items()], value=machine,
                                   description="machine", style=style, layout=W.Layout(width="460px")),
             "gpus": W.Dropdown(options=sorted({*GPU_COUNTS, gpus}), value=gpus, description="GPUs", style=style),

@@ -10,8 +10,9 @@ and the all-reduces tensor parallelism runs after every layer go over the networ
                                    each crosses nodes (pure: no torch, no ipywidgets)
     traffic_split(layout, counts)  a recorded run's per-group wire bytes, inside and across nodes
     describe(layout, split)        the readout's sentences
-    rank_grid_figure(...)          nodes as boxes of G slots, ranks coloured by group, crossing
-                                   groups outlined in red; with traffic, bytes per group beside it
+    rank_grid_figure(...)          nodes as boxes of G slots, ranks coloured by group (a legend names
+                                   each group's ranks), crossing groups outlined in red; with
+                                   traffic, bytes per group beside it
     RankGridWidget(...)            controls -> the readout and the figure; .figure() for show()
 """
 from __future__ import annotations
@@ -35,7 +36,11 @@ MAX_RANKS = 64  # more cells than this no longer read as a picture
 # placement: the embedding group is a pipeline's first and last stage (so it crosses nodes when
 # its pipeline does); None is every rank.
 GROUP_AXIS = {"tp": "tp", "pp": "pp", "embedding": "pp", "dp": "dp", "world": None}
-PALETTE = [c for i, c in enumerate(colormaps["tab20"].colors) if i not in (6, 7)]  # red marks crossings
+# A group's colour. One axis: a hue per group. "All": the axis' hue, so that no band can be taken
+# for another axis' group, a shade per group. No reds: red marks crossings.
+PALETTE = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 3]
+HUES = {"tp": "Blues", "pp": "Greens", "dp": "Purples"}
+LEGEND_GROUPS = 8  # per axis; more are summed up in one entry
 CROSSING = "#d62728"
 NotebookFigure = notebook_figure_class()
 format_bytes = EngFormatter(unit="B", places=1)
@@ -156,19 +161,44 @@ def describe(lay: Layout, split: dict | None = None) -> str:
     return text
 
 
+def group_colour(lay: Layout, axis: str, index: int, colour_by: str):
+    """The colour of the axis' group number `index` when the grid is coloured by `colour_by`."""
+    if colour_by != "all":
+        return PALETTE[index % len(PALETTE)]
+    return colormaps[HUES[axis]](0.3 + 0.6 * index / max(len(lay.groups[axis]) - 1, 1))
+
+
 def _draw_cell(ax, lay: Layout, rank: int, x: float, y: float, colour_by: str, outlined: bool) -> None:
     """One rank: filled by its group's colour (with "all", three bands: TP, PP, DP), labelled rank and (d,p,t)."""
     axes = ORDER if colour_by == "all" else (colour_by,)
     band = 0.9 / len(axes)
     for k, axis in enumerate(axes):
         group = lay.groups[axis].index(lay.group_of(axis, rank))
-        ax.add_patch(Rectangle((x, y + 0.9 - (k + 1) * band), 0.9, band, facecolor=PALETTE[group % len(PALETTE)],
-                               alpha=0.6, linewidth=0))
+        ax.add_patch(Rectangle((x, y + 0.9 - (k + 1) * band), 0.9, band,
+                               facecolor=group_colour(lay, axis, group, colour_by), alpha=0.6, linewidth=0))
     ax.add_patch(Rectangle((x, y), 0.9, 0.9, fill=False, edgecolor=CROSSING if outlined else "dimgray",
                            linewidth=3 if outlined else 0.8))
     d, p, t = lay.coords[rank]
     ax.text(x + 0.45, y + 0.58, str(rank), ha="center", va="center", fontsize=11, fontweight="bold")
     ax.text(x + 0.45, y + 0.25, f"({d},{p},{t})", ha="center", va="center", fontsize=7)
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}"
+
+
+def _legend_columns(lay: Layout, colour_by: str) -> list[list[Patch]]:
+    """Which colour is which group: one column per axis coloured, each group with its ranks."""
+    columns = []
+    for axis in ORDER if colour_by == "all" else (colour_by,):
+        groups = lay.groups[axis]
+        column = [Patch(facecolor=group_colour(lay, axis, i, colour_by), alpha=0.6, edgecolor="dimgray",
+                        label=f"{axis.upper()} group {i}: rank{'s' * (len(g.ranks) > 1)} {_ranks(g.ranks)}")
+                  for i, g in enumerate(groups[:LEGEND_GROUPS])]
+        if len(groups) > LEGEND_GROUPS:
+            column.append(Patch(visible=False, label=f"... {len(groups) - LEGEND_GROUPS} more {axis.upper()} groups"))
+        columns.append(column)
+    return columns
 
 
 def _draw_traffic(ax, split: dict) -> None:
@@ -179,7 +209,7 @@ def _draw_traffic(ax, split: dict) -> None:
     ax.bar(names, across, bottom=inside, color="white", edgecolor=CROSSING, hatch="//", label="across nodes")
     ax.yaxis.set_major_formatter(format_bytes)
     ax.set_ylabel("wire bytes per step, all ranks")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2, fontsize=8, frameon=False)  # off the bars
     total = sum(inside) + sum(across)
     ax.set_title(f"{format_bytes(sum(across))} of {format_bytes(total)}\ncross nodes", fontsize=10,
                  color=CROSSING if sum(across) else "black")
@@ -188,8 +218,9 @@ def _draw_traffic(ax, split: dict) -> None:
 def rank_grid_figure(dp: int = 2, tp: int = 2, pp: int = 2, devices_per_node: int = 4, order: tuple[str, ...] = ORDER,
                      colour_by: str = "tp", traffic: list[dict] | None = None):
     """A static Figure of the layout: one row of `devices_per_node` slots per node, each rank
-    coloured by its group along `colour_by` ("all": three bands, TP, PP, DP), the ranks of
-    groups that cross nodes outlined in red (with "all", TP's, the ones that must not). With
+    coloured by its group along `colour_by` ("all": three bands, TP, PP, DP, each axis in its own
+    hue), a legend column per axis naming each group's ranks, the ranks of groups that cross nodes
+    outlined in red (with "all", TP's, the ones that must not). With
     `traffic` (a run summary's `comm_groups`), a bar panel: wire bytes per group, hatched across nodes."""
     if colour_by not in COLOUR_BY:
         raise ValueError(f"colour_by is one of {', '.join(COLOUR_BY)}, not {colour_by!r}")
@@ -199,7 +230,11 @@ def rank_grid_figure(dp: int = 2, tp: int = 2, pp: int = 2, devices_per_node: in
     split = None if traffic is None else traffic_split(lay, traffic)
     g = devices_per_node
     width = max(5.5, 0.9 * g + 1.2)
-    fig = NotebookFigure(figsize=(width + (3.2 if split else 0), 0.95 * lay.nodes + 1.4), layout="constrained")
+    columns = _legend_columns(lay, colour_by)
+    rows = max(map(len, columns))
+    fig = NotebookFigure(figsize=(width + (3.2 if split else 0), 0.95 * lay.nodes + 1.6 + 0.2 * rows),
+                         layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.08)  # the default 0.04 in lets the two-line titles touch
     if split:
         ax, bytes_ax = fig.subplots(1, 2, width_ratios=[width, 3.2])
         _draw_traffic(bytes_ax, split)
@@ -224,11 +259,10 @@ def rank_grid_figure(dp: int = 2, tp: int = 2, pp: int = 2, devices_per_node: in
         title = f"{len(lay.crossing(marked))} of {len(lay.groups[marked])} {marked.upper()} groups cross nodes"
     ax.set_title(title, fontsize=10, color=CROSSING if lay.crossing(marked) else "black")
     fig.suptitle(f"dp {dp} x pp {pp} x tp {tp}, rank order {', '.join(lay.order)} (fastest first)\n"
-                 "each cell: rank and (d,p,t)", fontsize=10)
-    if not split:
-        fig.legend(handles=[Patch(facecolor="white", edgecolor=CROSSING, linewidth=3,
-                                  label=f"rank whose {marked.upper()} group crosses nodes")],
-                   loc="outside lower center", frameon=False, fontsize=8)
+                 f"each cell: rank and (d,p,t); outlined in red: its {marked.upper()} group crosses nodes", fontsize=10)
+    blank = Patch(visible=False, label="")  # pads the shorter columns: the legend fills column by column
+    fig.legend(handles=[h for column in columns for h in column + [blank] * (rows - len(column))],
+               loc="outside lower center", ncols=len(columns), frameon=False, fontsize=8)
     return fig
 
 
@@ -252,7 +286,7 @@ class RankGridWidget:
             dp, tp, pp = (traffic["parallel"][k] for k in ("dp", "tp", "pp"))
             traffic = traffic["comm_groups"]
         self.traffic, self.traffic_grid = traffic, (dp, tp, pp)
-        style = {"description_width": "130px"}
+        style = {"description_width": "160px"}
         c = self.controls = {
             "dp": W.BoundedIntText(value=dp, min=1, max=MAX_RANKS, description="data parallel", style=style),
             "tp": W.BoundedIntText(value=tp, min=1, max=MAX_RANKS, description="tensor parallel", style=style),
