@@ -77,7 +77,7 @@ def test_workshop_175b_fits_only_with_full_recomputation_and_is_competitive():
 
 def test_workshop_175b_megatron_arguments_are_the_forks_flags():
     """The flags of sajal-vt/Megatron-DeepSpeed-ORNL's megatron/arguments.py (and DeepSpeed's
-    --deepspeed, --deepspeed_config); full recomputation as its launch scripts pass it."""
+    --deepspeed, --deepspeed_config); full recomputation and fp16 as its launch scripts pass them."""
     cfg = PRESETS["175b"]
     c = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full",
                  precision="megatron-fp16")

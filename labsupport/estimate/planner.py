@@ -405,9 +405,9 @@ def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixe
 
     Source: sajal-vt/Megatron-DeepSpeed-ORNL, `megatron/arguments.py`, which defines every flag
     here but `--deepspeed` and `--deepspeed_config` (underscore): DeepSpeed's `add_config_arguments`
-    adds those to the same parser. The fork's DeepSpeed runs (`launch_gpt22b_bf16.slurm`,
-    `launch_gpt175b_tflops_149.slurm`, the DeepHyper search's `dh_utils.py`) pass them to
-    `pretrain_gpt_deepspeed.py`.
+    adds those to the same parser. The fork's DeepSpeed runs (the hands-on `launch_gpt22b_bf16.slurm`
+    and `launch_gpt175b_bf16.slurm` of its FA2 branch, the DeepHyper search's `dh_utils.py` on
+    frontier-sd) pass them to `pretrain_gpt_deepspeed.py`.
 
     Full recomputation (Table VI's checkpoint-activations) is what those scripts pass,
     `--deepspeed-activation-checkpointing --checkpoint-activations`: the first makes the fork's
@@ -480,8 +480,12 @@ def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> 
 
 
 def _half(precision: str) -> str:
-    """The 16-bit format of a memory recipe: fp16 for Megatron's fp16 recipe (the workshop's), else bf16.
+    """The 16-bit format of a memory recipe: fp16 for Megatron's fp16 recipe, else bf16.
 
+    "mixed" (ZeRO's accounting, the one that applies to these `--deepspeed` runs, whose ZeRO
+    optimizer holds the fp32 states) counts the same bytes in either format; bf16 needs no loss
+    scaling. The workshop ran those bytes in fp16 (Table VI; `--fp16` and `"fp16": {"enabled": true}`
+    in the FA2 branch's `launch_gpt175b_bf16.slurm` and `ds_config_16N_175B.json`, despite the name).
     The same word names the fork's flag (`--fp16`, `--bf16`) and the ds_config key.
     """
     return "fp16" if precision == "megatron-fp16" else "bf16"
