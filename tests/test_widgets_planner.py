@@ -86,18 +86,20 @@ def expected_rows(configs, cfg, global_batch, top=5):
 
 
 def test_the_table_and_reasons_are_the_planners():
-    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=1600)
+    w = pw.PlannerWidget()  # the deck's 175B strong-scaling run: 1,024 GCDs, a total batch of 8,000
+    assert (w.options()["model"], w.options()["gpus"], w.options()["global_batch"]) == ("175b", 1024, 8000)
     cfg, frontier = PRESETS["175b"], MACHINE_NAMES["frontier"]
-    configs = plan(cfg, frontier, 1024, 1600)
-    assert w.planned.configs == configs and w.rows == expected_rows(configs, cfg, 1600)
-    assert w.text.splitlines()[1:] == why(configs[0], cfg, frontier, 1024, 1600)
+    configs = plan(cfg, frontier, 1024, 8000)
+    assert w.planned.configs == configs and w.rows == expected_rows(configs, cfg, 8000)
+    assert w.text.splitlines()[1:] == why(configs[0], cfg, frontier, 1024, 8000)
+    assert w.rows[0][1:4] == ["16", "4", "16"]  # the planner's best is Table VI's TP 4 x PP 16
     assert f"{len(configs)} layouts fit, the 5 fastest below" in w.text
     assert w.table.value.count("<tr>") == 1 + 5 and "TFLOP/s/GPU" in w.table.value
     assert w.rows[0][-1] == "+0.0%"
 
 
 def test_controls_change_the_table():
-    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=1600)
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=8000)
     for name, value in [("machine", "dgx-h100"), ("gpus", 512), ("global_batch", 800), ("model", "22b"), ("zero", 0),
                         ("recompute", "full")]:
         before, png = (w.text, w.rows), w.png
@@ -116,14 +118,14 @@ def test_controls_change_the_table():
 
 def test_a_model_that_fits_nowhere_says_why_in_one_line():
     w = pw.PlannerWidget("1t", machine="frontier", gpus=8)
-    reason = explain_no_fit(PRESETS["1t"], MACHINE_NAMES["frontier"], 8, 1600)
+    reason = explain_no_fit(PRESETS["1t"], MACHINE_NAMES["frontier"], 8, 8000)
     assert w.planned.no_fit == reason and w.text == reason and "\n" not in w.text
     assert w.rows == [] and w.table.value == "" and "color:#b00" in w.readout.value
     assert [t.get_text().replace("\n", " ") for t in w.figure().texts] == [reason]
     w.controls["samples"].value = 20  # no search on top of a model that does not fit
     assert w.planned.trajectory == [] and w.text == reason
     w.controls["gpus"].value = 3072
-    assert w.planned.no_fit.startswith("no layout splits this model over 3072 GPUs with global batch 1600")
+    assert w.planned.no_fit.startswith("no layout splits this model over 3072 GPUs with global batch 8000")
     w.controls["global_batch"].value = 8016  # the workshop's
     assert w.planned.no_fit is None and len(w.rows) == 5
 
@@ -146,7 +148,7 @@ def test_the_figure_splits_the_fastest_step_times_into_their_parts():
 
 def test_search_mode_draws_the_trajectory():
     w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, samples=50)
-    trajectory = search(PRESETS["175b"], MACHINE_NAMES["frontier"], 1024, 1600, 50, 0)
+    trajectory = search(PRESETS["175b"], MACHINE_NAMES["frontier"], 1024, 8000, 50, 0)
     assert w.planned.trajectory == trajectory
     assert w.text.splitlines()[-1].startswith("Random search, 50 samples (seed 0), "
                                               f"{sum(s.step_time_s is None for s in trajectory)} out of memory")
@@ -179,8 +181,9 @@ def test_static_figure_stands_in_for_the_widget(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [
-    dict(model="175b", machine="frontier", gpus=1024, global_batch=1600, samples=40),  # notebook 06's
-    dict(model="175b", machine="frontier", gpus=1024, global_batch=1600),
+    dict(model="175b", machine="frontier", gpus=1024, global_batch=8000, samples=40),
+    dict(model="175b", machine="frontier", gpus=1024, global_batch=8000),
+    dict(model="175b", machine="frontier", gpus=128, global_batch=640, samples=40),
     dict(model="1t", machine="frontier", gpus=3072, global_batch=8016, samples=200),
     dict(model="22b", machine="dgx-a100", gpus=64, global_batch=512, samples=30),
     dict(model="gpt2", machine="dgx-h100", gpus=8, global_batch=64, samples=10)])

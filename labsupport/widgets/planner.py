@@ -26,10 +26,14 @@ from ..estimate.machines import Machine
 from ..estimate.memory import RECOMPUTE
 from ..estimate.planner import (MACHINE_NAMES, USABLE_MEMORY, ZERO_STAGES, Config, NoFit, Sample, plan, search,
                                 tflops_per_gpu, usable_bytes, why)
+from ..estimate.workshop import STRONG_SCALING
 from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
 from .memory import preset_label
 from .show import figure_png, notebook_figure_class
 
+# The setting the widget opens on: the deck's 175B strong-scaling run, a total batch of 8,000 on
+# 1,024 GCDs (Fig. 13), for which the planner's best is Table VI's TP 4 x PP 16.
+GPUS, GLOBAL_BATCH = STRONG_SCALING["175b"].gpus, STRONG_SCALING["175b"].global_batch
 MODELS = [name for name in PRESETS if name not in CPU_PRESETS]  # the analysis shapes: CPU presets have no vocab
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072)  # whole nodes of 8, up to the workshop's 1T
 ANY = "any"  # the menu entry that leaves ZeRO or recomputation to the planner
@@ -57,8 +61,8 @@ class Planned(NamedTuple):
     no_fit: str | None
 
 
-def plan_for(model: str = "175b", machine: str = "frontier", gpus: int = 1024, global_batch: int = 1600, *,
-             samples: int = 0, seed: int = 0, zero: int | None = None, recompute: str | None = None) -> Planned:
+def plan_for(model: str = "175b", machine: str = "frontier", gpus: int = GPUS, global_batch: int = GLOBAL_BATCH,
+             *, samples: int = 0, seed: int = 0, zero: int | None = None, recompute: str | None = None) -> Planned:
     """`plan` (and, with samples > 0, `search`) for a preset on one of `MACHINE_NAMES`; `zero` and
     `recompute` pin those choices. A model that fits nowhere is an answer, not an error."""
     if machine not in MACHINE_NAMES:
@@ -207,8 +211,8 @@ def _figure(p: Planned, top: int = 5):
     return fig
 
 
-def planner_figure(model: str = "175b", machine: str = "frontier", gpus: int = 1024, global_batch: int = 1600, *,
-                   top: int = 5, **options):
+def planner_figure(model: str = "175b", machine: str = "frontier", gpus: int = GPUS,
+                   global_batch: int = GLOBAL_BATCH, *, top: int = 5, **options):
     """A static Figure of the planner's answer: `planner_figure("1t", "frontier", 3072, 8016, samples=50)`.
     Other keywords are `plan_for`'s; a model that fits nowhere draws the reason."""
     return _figure(plan_for(model, machine, gpus, global_batch, **options), top)
@@ -219,13 +223,14 @@ class PlannerWidget:
     (pinned or the planner's choice) and the random search's samples; shows the fastest layouts
     (table), why the best wins (readout) and where their time goes (figure).
 
-    `PlannerWidget("175b", machine="frontier", gpus=1024)` in a notebook cell displays it. Its
+    `PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=8000)` in a notebook cell displays it. Its
     state is inspectable without a browser: set `w.controls["gpus"].value = 512` and `w.planned`
     (plan_for's answer), `w.text`, `w.rows`, `w.readout.value`, `w.table.value` and `w.png` follow.
     """
 
-    def __init__(self, model: str = "175b", machine: str = "frontier", gpus: int = 1024, global_batch: int = 1600, *,
-                 top: int = 5, zero: int | None = None, recompute: str | None = None, samples: int = 0):
+    def __init__(self, model: str = "175b", machine: str = "frontier", gpus: int = GPUS,
+                 global_batch: int = GLOBAL_BATCH, *, top: int = 5, zero: int | None = None,
+                 recompute: str | None = None, samples: int = 0):
         import ipywidgets as W
 
         self.top = top
