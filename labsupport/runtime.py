@@ -11,8 +11,10 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import ipaddress
 import os
 import random
+import socket
 import sys
 import warnings
 import weakref
@@ -152,6 +154,8 @@ class Runtime:
             torch.cuda.set_device(self.device)
         if self.distributed and not dist.is_initialized():
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+            if is_loopback(os.environ["MASTER_ADDR"]):
+                kwargs["store"] = _stay_on_loopback(self.rank, self.world_size, self.timeout_s)
             # Before the group exists, see _destroy_world below: this module's functions take
             # `group=group.WORLD` as a default argument, evaluated once at import. torch imports
             # it lazily (the first optimizer imports torch._dynamo, which imports FSDP, which
@@ -182,6 +186,42 @@ class Runtime:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}) via {self.info.launcher}, "
                 f"{self.device} + {self.backend if self.distributed else 'no process group'}, "
                 f"{torch.get_num_threads()} threads")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback: a single-node run."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def tcp_store(host: str, port: int, world_size: int | None = None, is_master: bool = False,
+              timeout: datetime.timedelta = datetime.timedelta(seconds=300), **kwargs) -> dist.TCPStore:
+    """torch's TCPStore, except that a server on a loopback `host` listens on that address only.
+
+    torch's server listens on every interface whatever `host` says, so a single-node run's store,
+    which takes any key from anyone, would be open to the network (a laptop on a shared Wi-Fi, a
+    shared login node). Handing it a socket already bound to `host` keeps it on this machine.
+    """
+    if is_master and is_loopback(host):
+        kwargs["master_listen_fd"] = socket.create_server((host, port)).detach()
+    return dist.TCPStore(host, port, world_size, is_master, timeout, **kwargs)
+
+
+def _stay_on_loopback(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore | None:
+    """For a single-node group: gloo and NCCL open their sockets on the loopback interface (unless
+    the user chose one), and rank 0 serves the store on loopback, unless torchrun's agent serves it
+    (then None: torch connects to the agent's).
+    """
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]  # lo, or lo0 on macOS
+    if names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", names[0])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                     datetime.timedelta(seconds=timeout_s))
 
 
 def _destroy_world() -> None:

@@ -1,4 +1,5 @@
-"""Shared test helpers: run the CLI, and find processes a run left behind."""
+"""Shared test helpers: run the CLI, find processes a run left behind and the sockets they listen on."""
+import ipaddress
 import os
 import re
 import subprocess
@@ -87,3 +88,28 @@ def _processes_with(variable: str) -> list[int]:
         if needle in env and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+def listening_addresses(pids) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of every TCP socket that `pids` listen on: what `ss -ltnp` lists for them."""
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # exited meanwhile
+            continue
+        inodes.update(link[len("socket:["):-1] for link in links if link.startswith("socket:["))
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                found.append((ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))),
+                              int(port, 16)))
+    return found
+
+
+def on_loopback(address) -> bool:
+    return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)

@@ -6,12 +6,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, _crashed_ranks, launch, torchrun_magic
-from conftest import processes_of, run_cli
+from conftest import listening_addresses, on_loopback, processes_of, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -251,3 +252,24 @@ def test_a_rank_waiting_at_the_exit_barrier_is_named_so():
     comm_dump = ('  File "/x/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
                  '  File "/x/labsupport/comm.py", line 5 in _call\n  File "/x/labsupport/comm.py", line 7 in all_reduce\n')
     assert _innermost_frame(comm_dump) == "comm.all_reduce"
+
+
+def test_a_launch_listens_on_loopback_only(tmp_path):
+    """torchrun's agent serves the store, each rank opens gloo's socket: all on 127.0.0.1 only."""
+    job = script(tmp_path, """
+        import time
+        from labsupport import init
+        with init():
+            time.sleep(3)  # while the test looks
+    """)
+    run_dir = tmp_path / "run"
+    done = threading.Thread(target=launch, args=(str(job),), daemon=True,
+                            kwargs=dict(nproc=2, run_dir=run_dir, out=io.StringIO(), timeout=BOUND_S))
+    done.start()
+    sockets = []
+    while done.is_alive() and len(sockets) < 3:  # the agent's store, one gloo socket per rank
+        sockets = listening_addresses(processes_of(run_dir))
+        time.sleep(0.1)
+    done.join(BOUND_S)
+    assert len(sockets) >= 3, sockets
+    assert [(str(a), port) for a, port in sockets if not on_loopback(a)] == []

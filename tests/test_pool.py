@@ -16,7 +16,7 @@ import pytest
 from labsupport import load_ipython_extension
 from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, _alive
 from labsupport.pool import PoolError, RankPool, ranks
-from conftest import REPO, processes_of
+from conftest import REPO, listening_addresses, on_loopback, processes_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -203,6 +203,14 @@ def test_restart_gives_fresh_ranks(pool):
     assert gone(pids.values()) and pool.run("'kept' in globals(), rt.rank") == {0: (False, 0), 1: (False, 1)}
 
 
+def test_every_socket_of_the_pool_listens_on_loopback_only(pool):
+    """torch's store (rank 0), gloo's sockets and ipyparallel's: none reachable from another machine."""
+    store_port = int(pool.run("import os\nos.environ['MASTER_PORT']", ranks=0)[0])
+    sockets = listening_addresses(processes_of(pool.run_dir))
+    assert store_port in {port for _, port in sockets}, sockets
+    assert [(str(a), port) for a, port in sockets if not on_loopback(a)] == []
+
+
 OWNER = """
 import time
 from labsupport.pool import ranks
@@ -278,3 +286,26 @@ def test_a_jupyter_kernel_streams_rank_output_interrupts_and_ends_the_pool_on_sh
         kc.stop_channels()
         km.shutdown_kernel(now=False)
     assert gone(pids)
+
+
+def test_a_killed_kernel_leaves_no_process(tmp_path):
+    """JupyterLab's "shut down" ends the pool through the kernel's exit (the test above); a kernel
+    that is killed takes the pool with it too: nbval ends each notebook's kernel so (SIGKILL, as an
+    out-of-memory kill or kill -9 would), and notebooks leave their pool running."""
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO),
+                              env={**os.environ, "LABSUPPORT_RUNS": str(tmp_path)})
+    out = []
+    try:
+        kc.execute_interactive("%load_ext labsupport\n%ranks start --nproc 2\nprint(ranks.run_dir)",
+                               timeout=BOUND_S, output_hook=lambda msg: out.append(msg["content"].get("text", "")))
+        pids = processes_of("".join(out).splitlines()[-1])
+        assert len(pids) >= 3, out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)  # SIGKILL, no shutdown request
+    try:
+        assert gone(pids)
+    finally:
+        for pid in filter(_alive, pids):
+            os.kill(pid, signal.SIGKILL)
