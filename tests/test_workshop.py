@@ -6,7 +6,7 @@ import pytest
 
 from labsupport.estimate.planner import MACHINE_NAMES, evaluate
 from labsupport.estimate.scaling import WORKSHOP
-from labsupport.estimate.workshop import (HANDS_ON, PART_II_22B, PLANNER_PRECISION, STRONG_SCALING, TABLE_V,
+from labsupport.estimate.workshop import (DEEPHYPER_HANDS_ON, HANDS_ON, PART_II_22B, PLANNER_PRECISION, STRONG_SCALING, TABLE_V,
                                           TABLE_VI)
 from labsupport.model import get_preset
 
@@ -79,3 +79,11 @@ def test_table_v_is_the_search_space_the_deck_prints():
                            zero1=(True, False), nodes=(12, 16))
     # Table VI's micro-batch 1 lies outside the searched [4, 20]: the final layouts were not drawn from it.
     assert all(r.micro_batch < TABLE_V["micro_batch"][0] for r in TABLE_VI.values())
+
+
+def test_the_deephyper_hands_on_searches_a_small_model_on_four_nodes_per_sample():
+    """The slide says "Find the best strategy for training a 22B model"; the script searches 24 x 2064."""
+    dh = DEEPHYPER_HANDS_ON
+    assert dh["gpus_per_sample"] == 4 * 8 and dh["nodes"] % 4 == 0
+    assert (dh["layers"], dh["hidden"]) != (get_preset("22b").n_layers, get_preset("22b").hidden)
+    assert all(dh["layers"] % pp == 0 for pp in dh["pp"]) and all(dh["heads"] % tp == 0 for tp in dh["tp"])

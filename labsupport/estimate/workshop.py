@@ -8,7 +8,8 @@ it comes from, in the source's own words where it has some:
             Table V (the DeepHyper search space), Table VI (the chosen layouts), Fig. 12 and 13
             (weak and strong scaling), the energy estimates and the "Hands On" slides.
   FORK      the deck's hands-on repository, sajal-vt/Megatron-DeepSpeed-ORNL, branch FA2 (the deck:
-            "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs.
+            "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs;
+            its branch frontier-sd (531936f) for the DeepHyper hands-on, `launch_dh.frontier`.
   PART_II   olcf/ai-training-series at e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL:
             the Part II deck's 3D hands-on, `sbatch launch_gpt22b_srun.frontier`.
 
@@ -28,6 +29,7 @@ PLANNER_PRECISION = "mixed"
 
 PART_III = "Part III deck (Dash et al. 2023, arXiv:2312.12705)"
 FORK = "sajal-vt/Megatron-DeepSpeed-ORNL@FA2 (03325d4)"
+FORK_SD = "sajal-vt/Megatron-DeepSpeed-ORNL@frontier-sd (531936f)"
 PART_II = "olcf/ai-training-series@e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL"
 
 
@@ -100,6 +102,16 @@ WEAK_SCALING_EFFICIENCY = 1.0
 # --reservation=ai launch_dh.frontier` on the fork's frontier-sd branch, the deck's hands-on).
 TABLE_V = dict(pp=(1, 2, 4, 8, 12, 16), tp=(1, 2, 4, 8), micro_batch=(4, 20),   # "MBS in [4, 20]"
                gradient_accumulation=(5, 10), zero1=(True, False), nodes=(12, 16))
+
+# The DeepHyper hands-on ("Find the best strategy for training a 22B model": `git switch frontier-sd`,
+# `sbatch --reservation=ai launch_dh.frontier`), as its files on FORK_SD have it: `launch_dh.frontier`
+# asks for `#SBATCH -N 8`; `main_dh_centralized.py` runs each sample on 32 GCDs and maximises the
+# "TFLOPs" it parses from the run's log; `dh_utils.py` maps the sampled indices to tp and pp in
+# (1, 2, 4, 8), sets the global batch to 10 x dp x mbs (10 micro-batches per pipeline) and launches
+# `--num-layers 24 --hidden-size 2064 --num-attention-heads 24 --train-iters 10`: not the 22B shape.
+DEEPHYPER_HANDS_ON = dict(source=FORK_SD, nodes=8, gpus_per_sample=32, tp=(1, 2, 4, 8), pp=(1, 2, 4, 8),
+                          micro_batch=(10, 20), microbatches=10, layers=24, hidden=2064, heads=24, iterations=10,
+                          objective="TFLOPs")
 
 
 @dataclass(frozen=True)
