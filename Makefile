@@ -25,6 +25,9 @@ CHROMIUM := /usr/bin/chromium
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 # The attendee's copy of the notebooks, which `make lab` serves (git-ignored).
 WORK := work
+# The copy comes without the stored outputs, so that no prediction is answered and no bug lab
+# solved before the attendee runs the cell. OUTPUTS=keep copies them as stored (an instructor's copy).
+OUTPUTS ?= clear
 
 # JupyterLab listens on this address only; add options with LAB_ARGS="--port=8899 --no-browser".
 LAB_IP ?= 127.0.0.1
@@ -38,12 +41,13 @@ PYTEST_ARGS ?=
 # Headless pytest processes fall back to Agg on their own.
 RUN_ENV := LABSUPPORT_RUNS="$(RUNS)"
 
-.PHONY: help venv browser test lab lab-fresh notebooks clean distclean
+.PHONY: help venv browser test lab lab-copy lab-fresh notebooks clean distclean
 
 help:
 	@echo "labsupport workbook"
 	@echo
 	@echo "  make lab        install (once) and start JupyterLab on $(LAB_IP) in $(WORK)/, your copy of the notebooks (LAB_ARGS=...)"
+	@echo "                  copied without outputs; OUTPUTS=keep copies them with the stored outputs (instructors)"
 	@echo "  make lab-fresh  move $(WORK)/ aside to $(WORK).bak-DATE-TIME, then make lab with fresh copies"
 	@echo "  make test       unit, multi-process, notebook (nbval) and browser tests"
 	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
@@ -93,17 +97,31 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # JupyterLab saves outputs into the notebooks it runs, so it serves a copy, $(WORK)/, and the
 # tracked notebooks/ stay as they are (`git pull` never conflicts). The copy is made on first use
 # and never overwritten: only a notebook it lacks (new upstream, or deleted to start it over) is
-# copied in. README.md and ARCHITECTURE.md are links to the real ones, laid out as in the repo,
-# so the README's links open the copies.
+# copied in, without its outputs unless OUTPUTS=keep. README.md and ARCHITECTURE.md are links to
+# the real ones, laid out as in the repo, so the README's links open the copies.
+# Every kernel JupyterLab starts loads labsupport's magics (%%exercise, %ranks, %%torchrun), so an
+# exercise cell works after a kernel restart without running the notebook's first cell again:
+# IPython reads its configuration from $(LAB_IPYTHON), written here each time.
+LAB_IPYTHON := $(WORK)/.ipython
 lab: $(LAB_STAMP)
-	@mkdir -p $(WORK)/notebooks
+	@$(MAKE) --no-print-directory lab-copy
+	$(RUN_ENV) IPYTHONDIR="$(abspath $(LAB_IPYTHON))" $(VENV)/bin/jupyter lab --notebook-dir=$(WORK) --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
+
+# The copy and the kernels' configuration, without starting JupyterLab (`make lab` does this first).
+lab-copy:
+	@mkdir -p $(WORK)/notebooks $(LAB_IPYTHON)/profile_default
 	@for f in README.md ARCHITECTURE.md; do \
 		[ -e "$(WORK)/$$f" ] || [ -L "$(WORK)/$$f" ] || ln -s "../$$f" "$(WORK)/$$f"; \
 	done
-	@for nb in $(NOTEBOOKS); do \
-		[ -e "$(WORK)/$$nb" ] || { cp "$$nb" "$(WORK)/$$nb" && echo "lab: copied $$nb to $(WORK)/$$nb"; }; \
-	done
-	$(RUN_ENV) $(VENV)/bin/jupyter lab --notebook-dir=$(WORK) --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
+	@missing="$$(for nb in $(NOTEBOOKS); do [ -e "$(WORK)/$$nb" ] || echo "$$nb"; done)"; \
+	[ -z "$$missing" ] || { \
+		if [ "$(OUTPUTS)" = keep ]; then cp $$missing "$(WORK)/notebooks/"; \
+		else $(VENV)/bin/jupyter nbconvert --log-level=WARN --to notebook --ClearOutputPreprocessor.enabled=True \
+			--output-dir="$(WORK)/notebooks" $$missing; fi && \
+		for nb in $$missing; do echo "lab: copied $$nb to $(WORK)/$$nb$(if $(filter keep,$(OUTPUTS)), with its outputs)"; done; }
+	@printf '%s\n' "# Written by make lab: every kernel starts with labsupport's magics (also after a restart)." \
+		"c.InteractiveShellApp.exec_lines = ['import labsupport as _ls; _ls.load_ipython_extension(get_ipython()); del _ls']" \
+		> $(LAB_IPYTHON)/profile_default/ipython_kernel_config.py
 
 # Never deletes: the old copy is moved aside first.
 lab-fresh:

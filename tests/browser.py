@@ -208,9 +208,12 @@ def _stop_tree(process: subprocess.Popen, tag: str, grace_s: float = 10) -> None
 
 
 @contextmanager
-def jupyter_lab(notebooks: str | Path | None = None, *, startup_timeout_s: float = 90):
+def jupyter_lab(notebooks: str | Path | None = None, *, ipython_dir: str | Path | None = None,
+                startup_timeout_s: float = 90):
     """Start JupyterLab on 127.0.0.1 serving a temporary copy of `notebooks` (default: the repo's
     notebooks/, which may not exist yet), yield a `Lab`, and always stop it and its kernels.
+    The kernels read IPython's configuration from `ipython_dir` (e.g. the one `make lab-copy`
+    writes), else from an empty temporary one.
 
     The server runs this interpreter's JupyterLab (`python -m jupyterlab`), with a random token,
     no browser, LABSUPPORT_RUNS in a temporary folder and the repository on PYTHONPATH, so the
@@ -239,7 +242,7 @@ def jupyter_lab(notebooks: str | Path | None = None, *, startup_timeout_s: float
         "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
         "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "lab-workspaces"),
-        "IPYTHONDIR": str(tmp / "ipython"),
+        "IPYTHONDIR": str(ipython_dir or tmp / "ipython"),
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # a debugger warning that ipykernel prints otherwise
     })
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",

@@ -6,9 +6,12 @@ notebook can be opened the same way), runs it with `run_notebook_in_browser` and
 displays; the stored notebooks themselves run top to bottom under nbval.
 """
 
+import subprocess
+import sys
+
 import pytest
 
-from browser import (artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
+from browser import (REPO, artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
                      tagged_processes, wait_for_redraw, wait_for_text, write_notebook)
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
@@ -229,3 +232,20 @@ def test_rank_grid_shows_tp_groups_crossing_nodes_in_jupyterlab(lab, page, reque
         assert readout.locator("b").inner_text().startswith("TP groups cross nodes: 4 of 4")
         assert "TP groups cross nodes" in after
         wait_for_redraw(figure, src, "the rank order changed")
+
+
+def test_make_labs_kernels_know_the_exercise_magic_without_the_first_cell(tmp_path, request):
+    """After a kernel restart, an attendee runs an exercise cell alone, before the notebook's
+    `%load_ext labsupport`: every kernel of `make lab`'s JupyterLab has loaded the magics."""
+    require_chromium()
+    work = tmp_path / "work"
+    subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "lab-copy", f"WORK={work}", f"VENV={sys.prefix}"],
+                   check=True, capture_output=True)
+    write_notebook(work / "notebooks" / "alone.ipynb",
+                   "%%exercise wire_bytes\ndef wire_bytes(op, payload_bytes, n):\n    raise NotImplementedError")
+    with jupyter_lab(work / "notebooks", ipython_dir=work / ".ipython") as server, chromium_page() as page:
+        with artifacts_on_failure(page, request.node.name, server):
+            run_notebook_in_browser(page, server, "alone.ipynb", timeout_s=60)
+            shown = page.locator(".jp-OutputArea-output", has_text="wire_bytes: not solved yet")
+            shown.first.wait_for(timeout=15_000)
+    assert not tagged_processes(server.tag), "JupyterLab left processes behind"

@@ -12,11 +12,11 @@ from labsupport.lab import predict
 
 
 def grade(name, source, capsys):
-    """(status, printed line or the ExerciseFailed message)."""
+    """(status, printed line or the ExerciseFailed message: a bug lab changed and still buggy raises too)."""
     try:
         status = ex.run_cell(name, source, {})
     except ex.ExerciseFailed as e:
-        return ex.WRONG, str(e)
+        return ex.BUGGY if ex.get(name).bug_lab else ex.WRONG, str(e)
     return status, capsys.readouterr().out
 
 
@@ -28,6 +28,13 @@ def mutate(name, old, new):
     src = solution(name)
     assert old in src, (name, old)
     return src.replace(old, new)
+
+
+@pytest.fixture(autouse=True)
+def _bug_labs_as_shipped():
+    """A bug lab's first source graded counts as the cell as shipped: each test starts anew."""
+    for exercise in ex.EXERCISES.values():
+        exercise.shipped = None
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +90,17 @@ def test_the_accumulation_bug_lab_prints_its_symptom_until_fixed(capsys):
     buggy = mutate("accumulate", "(loss / len(micro_batches)).backward()", "loss.backward()")
     status, out = grade("accumulate", buggy, capsys)
     assert status == ex.BUGGY and "4.00x the whole batch's" in out and "Adam ignores a common scale" in out
+
+
+def test_a_changed_bug_lab_that_still_fails_says_it_was_checked(capsys):
+    buggy = mutate("accumulate", "(loss / len(micro_batches)).backward()", "loss.backward()")
+    status, out = grade("accumulate", buggy, capsys)
+    assert status == ex.BUGGY and out.startswith("🐞 accumulate, the bug to find: "), out  # words, for a box glyph
+    with pytest.raises(ex.ExerciseFailed):  # one red line, as for a wrong answer
+        ex.run_cell("accumulate", buggy.replace("loss.backward()", "(2.0 * loss).backward()"), {})
+    status, message = grade("accumulate", buggy.replace("loss.backward()", "(1.0 * loss).backward()"), capsys)
+    assert status == ex.BUGGY and "your change was checked, and the bug is still there" in message, message
+    assert "4.00x the whole batch's" in message and ex.get("accumulate").status == ex.BUGGY
 
 
 def test_a_cell_that_defines_nothing_is_named(capsys):
@@ -386,6 +404,7 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     assert status == ex.BUGGY and "2x, the sum over the ranks" in out, out
 
 
+    assert "(checking on 2 fresh ranks, a few seconds: no pool is running" in out, out
 # ---------------------------------------------------------------- notebook 06 (graded by the planner, no ranks)
 
 LAYOUT_WRONG = [
@@ -467,3 +486,34 @@ def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys
     megatron = "def place_rank(d, p, t, dp, pp, tp):\n    return (p * dp + d) * tp + t\n"   # tp, dp, pp: also right
     assert grade("place_rank", megatron, capsys)[0] == ex.SOLVED
     assert grade("place_rank", solution("place_rank"), capsys)[0] == ex.SOLVED
+
+
+# ---------------------------------------------------------------- the attendee's copy (make lab)
+
+def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(tmp_path):
+    """A prediction's answer or a solved bug lab must not sit under the cell before it runs; a notebook
+    the attendee has already worked in stays as it is; every kernel knows the magics."""
+    import subprocess
+    import sys
+
+    import nbformat
+    from conftest import REPO
+    work = tmp_path / "work"
+    mine = work / "notebooks" / "00_setup_and_collectives.ipynb"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("my work")
+    make = ["make", "--no-print-directory", "-C", str(REPO), "lab-copy", f"WORK={work}", f"VENV={sys.prefix}"]
+    subprocess.run(make, check=True, capture_output=True)
+    assert mine.read_text() == "my work"
+    shipped = sorted((REPO / "notebooks").glob("*.ipynb"))
+    assert sorted(p.name for p in mine.parent.glob("*.ipynb")) == [p.name for p in shipped]
+    for path in shipped[1:]:
+        copy, original = nbformat.read(work / "notebooks" / path.name, as_version=4), nbformat.read(path, as_version=4)
+        assert [c.source for c in copy.cells] == [c.source for c in original.cells], path.name
+        assert [c.get("outputs") for c in copy.cells if c.get("outputs")] == [], path.name
+    config = (work / ".ipython" / "profile_default" / "ipython_kernel_config.py").read_text()
+    assert "load_ipython_extension(get_ipython())" in config
+    (work / "notebooks" / shipped[1].name).unlink()  # deleted to start it over; an instructor keeps the outputs
+    subprocess.run([*make, "OUTPUTS=keep"], check=True, capture_output=True)
+    assert (work / "notebooks" / shipped[1].name).read_bytes() == shipped[1].read_bytes()
+    assert mine.read_text() == "my work"

@@ -14,8 +14,13 @@ what was expected, what came back, where (which rank, which step). Three outcome
   notebook shipped unsolved runs top to bottom;
 * wrong: the feedback as one red line (`ExerciseFailed`), so the attendee sees it at once.
 
-A find-the-bug lab starts out wrong on purpose: until it is fixed its feedback is the symptom,
-printed, not raised. Later cells never depend on an exercise: they use labsupport's own code.
+A find-the-bug lab starts out wrong on purpose: as shipped (the first version of the cell that
+runs) its feedback is the symptom, printed, not raised. A changed cell that still has the bug is
+a wrong answer: the symptom as one red line, so the attendee sees their attempt was checked.
+Later cells never depend on an exercise: they use labsupport's own code.
+
+Each line starts with a symbol and says in words what it means, for a browser without the
+symbol's font: ✔ solved, ○ not solved yet, 🐞 the bug to find, ✘ wrong.
 
 `hint(name)` gives the next hint, `solution(name)` shows the reference solution (and, in
 Jupyter, puts it into a new cell), `progress()` lists what is done. With LABSUPPORT_SOLUTIONS=1
@@ -71,6 +76,7 @@ class Exercise:
     bug_lab: bool = False
     status: str = UNSOLVED
     hints_shown: int = field(default=0, repr=False)
+    shipped: str | None = field(default=None, repr=False)  # a bug lab's first source graded: the cell as shipped
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -111,20 +117,28 @@ def run_cell(name: str, source: str, namespace: dict) -> str:
 
 
 def grade(ex: Exercise, answer, source: str) -> str:
-    """Grade `answer`; print the verdict; raise ExerciseFailed for a wrong answer (not for a bug lab)."""
+    """Grade `answer`; print the verdict; raise ExerciseFailed for a wrong answer (not for a bug lab as shipped)."""
+    if ex.bug_lab and ex.shipped is None:
+        ex.shipped = source
+    changed = ex.bug_lab and source != ex.shipped  # an attempt at the bug lab
     try:
         message = ex.grade(answer, source)
     except Unsolved as e:
         status, line = UNSOLVED, (f"○ {ex.name}: not solved yet ({e}). Write it and run the cell again; "
                                   f"lab.hint({ex.name!r}) helps.")
     except Wrong as e:
-        status, line = (BUGGY, f"🐞 {ex.name}: {e}") if ex.bug_lab else (WRONG, f"{ex.name}: {e}")
+        if not ex.bug_lab:
+            status, line = WRONG, f"{ex.name}: {e}"
+        elif changed:
+            status, line = BUGGY, f"{ex.name}: your change was checked, and the bug is still there: {e}"
+        else:
+            status, line = BUGGY, f"🐞 {ex.name}, the bug to find: {e}"
     else:
         status, line = SOLVED, f"✔ {ex.name}: {message}"
     ex.status = status
     if solutions_mode() and status != SOLVED:
         raise ExerciseFailed(f"{ex.name}: the reference solution does not pass: {line}")
-    if status == WRONG:
+    if status == WRONG or (status == BUGGY and changed):
         raise ExerciseFailed(line)
     print(line)
     return status

@@ -41,6 +41,9 @@ def run(source: str, module: str, call: str, nproc: int, timeout: float = CHECK_
             return pool.ranks.run(call, timeout=timeout)
         except LaunchError as e:
             raise RanksFailed(str(e)) from None
+    why = (f"the pool has {pool.ranks.nproc} ranks, this check needs {nproc}" if pool.ranks.running else
+           f"no pool is running; `%ranks start --nproc {nproc}` makes checks fast")
+    print(f"(checking on {nproc} fresh ranks, a few seconds: {why})", flush=True)
     with tempfile.TemporaryDirectory(prefix="labsupport-check-") as tmp:
         script = Path(tmp) / "check.py"
         script.write_text(_SCRIPT.format(setup=setup, call=call))
