@@ -123,3 +123,17 @@ def test_shipped_cells_say_not_yet_and_the_solutions_pass(path, monkeypatch, cap
             assert solved.success and ex.get(name).status == ex.SOLVED and f"✔ {name}:" in out, f"{path.name}, {name}: {out}"
     finally:
         ranks.stop()
+
+
+def test_notebook_03_bug_labs_state_symptoms_only():
+    """Issue 18: the text above 03's shard_block lab and its first hint pointed at no_grad, and the text
+    above the clipping lab said the sharded runs all-reduce the norm. Neither the markdown above a lab
+    nor its first hint (where to look) may name the cause."""
+    ex._load_all()
+    path = next(p for p in NOTEBOOKS if p.stem.startswith("03"))
+    causes = {"clip_sharded_": ("norm of whatever", "shard's norm", "its own norm", "squared gradient norm"),
+              "shard_block": ("no_grad", "requires_grad", "out of the if")}
+    for name, (index, _) in exercise_cells(path).items():
+        above = "".join(source(c) for c in cells(path)[:index] if c["cell_type"] == "markdown")
+        for cause in causes.get(name, ()):
+            assert cause not in above and cause not in ex.get(name).hints[0], f"{name}: {cause!r} before the lab"
