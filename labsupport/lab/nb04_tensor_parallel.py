@@ -1,7 +1,11 @@
-"""Notebook 04's exercises: one linear layer split by columns and by rows (in one process), the
-Megatron MLP's forward on real ranks (one all-reduce, the bias once), the backward of the
-conjugate operators f and g, and a find-the-bug lab (the row-parallel bias added before the
-all-reduce, so the output carries it T times).
+"""Notebook 04's exercises: one linear layer split by columns and by rows (in one process), a
+find-the-bug lab (a row-parallel layer that adds its bias before the all-reduce, so the output
+carries it T times: a tensor-parallel model drifts from the dense one as its biases learn), the
+Megatron MLP's forward on real ranks (one all-reduce, the bias once) and the backward of the
+conjugate operators f and g.
+
+The row-parallel exercise has no bias: where a row-parallel layer's bias goes is the bug lab's
+question, so nothing before the lab answers it.
 
 The one-process checks compare with `torch.nn.functional.linear` on the whole matrix. The checks
 on ranks build the dense layer on every rank from the same seed, hand each rank its slices, and
@@ -31,15 +35,15 @@ def _shape(t) -> str:
     return "(" + ", ".join(str(d) for d in t.shape) + ")"
 
 
-def _try(name, fn, x, w, b, world, advice):
+def _try(name, fn, advice, **args):
     """The attendee's function on one case; an exception becomes feedback naming the shapes."""
     try:
-        return attempt(fn, x, w, b, world)
+        return attempt(fn, *args.values())
     except (Wrong, Unsolved):
         raise
     except Exception as e:
-        raise Wrong(f"{name}(x {_shape(x)}, weight {_shape(w)}, bias {_shape(b)}, {world}) raised "
-                    f"{type(e).__name__}: {e}. {advice}") from None
+        shown = ", ".join(f"{k} {_shape(v)}" if hasattr(v, "shape") else str(v) for k, v in args.items())
+        raise Wrong(f"{name}({shown}) raised {type(e).__name__}: {e}. {advice}") from None
 
 
 # ---------------------------------------------------------------- one process: split by columns
@@ -50,8 +54,9 @@ def grade_column_parallel(fn, source) -> str:
     for seed, (tokens, d_in, d_out, world) in enumerate(CASES):
         x, w, b = _linear_case(tokens, d_in, d_out, seed)
         want = F.linear(x, w, b)
-        got = _try("column_parallel_forward", fn, x, w, b, world,
-                   "A torch Linear's weight is (out, in): A's columns are weight's rows, so cut weight along dim 0")
+        got = _try("column_parallel_forward", fn,
+                   "A torch Linear's weight is (out, in): A's columns are weight's rows, so cut weight along dim 0",
+                   x=x, weight=w, bias=b, world=world)
         if not isinstance(got, (list, tuple)) or len(got) != world:
             raise Wrong(f"column_parallel_forward(x, weight, bias, {world}) should return a list of {world} outputs, "
                         f"one per rank; it returned {type(got).__name__}"
@@ -110,15 +115,15 @@ def grade_row_parallel(fn, source) -> str:
     for seed, (tokens, d_in, d_out, world) in enumerate(CASES):
         if d_in % world:
             d_in = world * (d_in // world + 1)
-        x, w, b = _linear_case(tokens, d_in, d_out, 10 + seed)
-        want = F.linear(x, w, b)
+        x, w, _ = _linear_case(tokens, d_in, d_out, 10 + seed)
+        want = F.linear(x, w)
         partial_want = [F.linear(xi, wi) for xi, wi in zip(x.chunk(world, dim=-1), w.chunk(world, dim=1))]
-        got = _try("row_parallel_forward", fn, x, w, b, world,
+        got = _try("row_parallel_forward", fn,
                    "Rank i's inputs are a slice of x's last dimension; the weight's matching piece is the same "
-                   "slice of its dim 1 (a torch Linear's weight is (out, in))")
+                   "slice of its dim 1 (a torch Linear's weight is (out, in))", x=x, weight=w, world=world)
         if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (list, tuple))):
             raise Wrong("row_parallel_forward should return (partials, y): the list of the ranks' partial outputs "
-                        "and their sum with the bias")
+                        "and their sum")
         partials, y = got
         if len(partials) != world:
             raise Wrong(f"with T = {world} there are {world} partial outputs, one per rank; got {len(partials)}")
@@ -130,22 +135,14 @@ def grade_row_parallel(fn, source) -> str:
                             "dim 1 (its inputs) and x along its last dimension, the same way")
                 raise Wrong(f"rank {i}'s partial output has shape {_shape(p)}, expected {_shape(p_want)}{hint}")
             if not torch.allclose(p, p_want, atol=1e-5):
-                if torch.allclose(p, p_want + b, atol=1e-5):
-                    raise Wrong(f"rank {i}'s partial output includes the bias. Every rank would add it, and the sum "
-                                f"would hold it {world} times: leave it out of the partials and add it once, after "
-                                "the sum")
                 raise Wrong(f"with T = {world}, rank {i}'s partial output differs from x_i @ weight_i.T (its "
                             f"inputs {i * (d_in // world)}..{(i + 1) * (d_in // world) - 1}) by up to "
                             f"{(p - p_want).abs().max().item():.3g}")
         if not torch.allclose(y, want, atol=1e-4):
-            if torch.allclose(y, want + (world - 1) * b, atol=1e-4):
-                raise Wrong(f"y holds the bias {world} times: add it once, after the sum")
-            if torch.allclose(y, want - b, atol=1e-4):
-                raise Wrong("y is the sum of the partials without the bias: add the bias once, after the sum")
-            raise Wrong(f"with T = {world}, y differs from F.linear(x, weight, bias) by up to "
-                        f"{(y - want).abs().max().item():.3g}: it is the sum of all the partials, plus the bias once")
+            raise Wrong(f"with T = {world}, y differs from x @ weight.T by up to "
+                        f"{(y - want).abs().max().item():.3g}: it is the sum of all the partials")
     return (f"{len(CASES)} layers split over T = 2, 4 and 3 ranks: every partial output has the full width, and "
-            "their sum plus one bias is the dense layer")
+            "their sum is the dense layer")
 
 
 register(Exercise(
@@ -153,18 +150,65 @@ register(Exercise(
     grade=grade_row_parallel,
     hints=("Rank i holds inputs [i in/T, (i+1) in/T): its slice of x's last dimension and the same slice of "
            "weight's dim 1.",
-           "Each rank's x_i @ weight_i.T is a partial sum of full width; y = sum of them + bias (once: in a real "
-           "run the sum is the all-reduce, and a bias added on every rank would be summed T times)."),
+           "Each rank's x_i @ weight_i.T is a partial sum of full width; y is the sum of them (in a real run, "
+           "the all-reduce)."),
     solution='''
 import torch
 
 
-def row_parallel_forward(x, weight, bias, world):
+def row_parallel_forward(x, weight, world):
     x_parts = x.chunk(world, dim=-1)               # rank i's inputs ...
     w_parts = weight.chunk(world, dim=1)           # ... and the weight's matching columns (A's rows)
     partials = [torch.nn.functional.linear(x_parts[i], w_parts[i]) for i in range(world)]
-    y = sum(partials) + bias                       # the all-reduce, then the bias once
-    return partials, y
+    return partials, sum(partials)                 # the sum is what the all-reduce computes
+'''))
+
+
+# ---------------------------------------------------------------- find the bug: the bias before the all-reduce
+
+def check_row_parallel_linear(row_parallel_linear) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from .. import comm
+    rank, world = comm.get_rank(), comm.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen) + 2
+    out = on_ranks.on_rank(row_parallel_linear, x.chunk(world, -1)[rank].clone(), w.chunk(world, 1)[rank].clone(),
+                           b.clone())
+    if out["status"] != "ok":
+        return out
+    y, want = out["value"], F.linear(x, w, b)
+    if not isinstance(y, torch.Tensor) or y.shape != want.shape:
+        return {"status": "wrong", "message": f"on rank {rank} the output is not a {_shape(want)} tensor"}
+    if not torch.allclose(y, want, atol=1e-4):
+        diff = (y - want).abs()
+        return {"status": "wrong", "message": f"on rank {rank} of {world} the output differs from the dense layer's "
+                                              f"by {diff.mean().item():.3g} on average, up to {diff.max().item():.3g}"}
+    return {"status": "ok"}
+
+
+def grade_row_parallel_linear(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_row_parallel_linear(row_parallel_linear)", RANKS,
+                          "the output equals the dense layer's on both ranks: the bias is added once, after the sum",
+                          HANG, timeout=30)
+
+
+register(Exercise(
+    name="row_parallel_linear", notebook="04", ranks=RANKS, bug_lab=True,
+    title="Find the bug: a tensor-parallel layer that drifts from the dense one",
+    grade=grade_row_parallel_linear,
+    hints=("Look at how the output differs from the dense layer's, row by row (the symptom prints its size): "
+           "does the difference depend on the input, or is it the same for every row? Which of the layer's "
+           "tensors is the same for every row?",
+           "The difference is (T - 1) x bias. Every rank's F.linear(x_shard, w_shard, bias) puts the bias into its "
+           "partial sum, and the all-reduce adds up T partial sums.",
+           "Multiply without the bias, all-reduce, then add the bias once, after the sum."),
+    solution='''
+def row_parallel_linear(x_shard, w_shard, bias):
+    y = torch.nn.functional.linear(x_shard, w_shard)   # my partial sum, without the bias
+    comm.all_reduce(y, "sum")                          # g
+    return y + bias                                    # once, after the sum
 '''))
 
 
@@ -253,9 +297,9 @@ def tp_mlp_forward(x, w1, b1, w2, b2):
 
 # ---------------------------------------------------------------- on ranks: the backward of f and g
 
-def check_g_backward(f_backward, g_backward) -> dict:
-    """Y = g(gelu(f(x) W1_i^T) W2_i^T) with the attendee's backwards: x's and the weights' gradients
-    must be the dense model's (each rank its slice), with one all-reduce in backward."""
+def check_conjugate_backward(conjugate_backward) -> dict:
+    """Y = g(gelu(f(x) W1_i^T) W2_i^T) with the attendee's backward of f and of g: x's and the weights'
+    gradients must be the dense model's (each rank its slice), with one all-reduce in backward."""
     import torch
 
     from .. import comm
@@ -267,7 +311,7 @@ def check_g_backward(f_backward, g_backward) -> dict:
 
         @staticmethod
         def backward(ctx, grad):
-            return f_backward(grad.clone())
+            return conjugate_backward("f", grad.clone())
 
     class G_(torch.autograd.Function):
         @staticmethod
@@ -278,7 +322,7 @@ def check_g_backward(f_backward, g_backward) -> dict:
 
         @staticmethod
         def backward(ctx, grad):
-            return g_backward(grad.clone())
+            return conjugate_backward("g", grad.clone())
 
     rank, world = comm.get_rank(), comm.get_world_size()
     x0, dense, mine = _mlp_case()
@@ -333,77 +377,22 @@ def check_g_backward(f_backward, g_backward) -> dict:
     return {"status": "ok"}
 
 
-def grade_g_backward(fn, source) -> str:
-    return on_ranks.grade(source, __name__, "check_g_backward(f_backward, g_backward)", RANKS,
+def grade_conjugate_backward(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_conjugate_backward(conjugate_backward)", RANKS,
                           "x's and every weight's gradient equal the dense MLP's on both ranks, with one all-reduce "
                           "in backward (f's)", HANG, timeout=30)
 
 
 register(Exercise(
-    name="g_backward", notebook="04", ranks=RANKS, title="The backward of the conjugate operators f and g",
-    grade=grade_g_backward,
+    name="conjugate_backward", notebook="04", ranks=RANKS, title="The backward of the conjugate operators f and g",
+    grade=grade_conjugate_backward,
     hints=("g's forward turned partial sums into the same full output on every rank. What does each rank's "
            "output gradient look like, then: partial, or already whole?",
            "f's forward handed the same x to every rank, and each rank used it for its own units: x's gradient is "
            "the sum of the ranks' contributions. So f's backward all-reduces, g's does nothing."),
     solution='''
-def f_backward(grad):
-    comm.all_reduce(grad, "sum")    # each rank used x for its own units: sum their contributions
-    return grad
-
-
-def g_backward(grad):
-    return grad                     # the output gradient is already whole, the same on every rank
+def conjugate_backward(op, grad):
+    if op == "f":                       # f gave x to every rank, and each used it for its own units:
+        comm.all_reduce(grad, "sum")    # x's gradient is the sum of their contributions
+    return grad                         # g's output gradient is already whole, the same on every rank
 '''))
-
-
-# ---------------------------------------------------------------- find the bug: the bias before the all-reduce
-
-def check_row_parallel_linear(row_parallel_linear) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from .. import comm
-    rank, world = comm.get_rank(), comm.get_world_size()
-    gen = torch.Generator().manual_seed(7)
-    x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen) + 2
-    out = on_ranks.on_rank(row_parallel_linear, x.chunk(world, -1)[rank].clone(), w.chunk(world, 1)[rank].clone(),
-                           b.clone())
-    if out["status"] != "ok":
-        return out
-    y, want = out["value"], F.linear(x, w, b)
-    if not isinstance(y, torch.Tensor) or y.shape != want.shape:
-        return {"status": "wrong", "message": f"on rank {rank} the output is not a {_shape(want)} tensor"}
-    if not torch.allclose(y, want, atol=1e-4):
-        offset = (y - want).mean(0)
-        if torch.allclose(offset, (world - 1) * b, atol=1e-4):
-            return {"status": "wrong", "message": f"on rank {rank} every output row is the dense layer's plus "
-                                                  f"{world - 1} x the bias (mean offset {offset.mean().item():.3g}, "
-                                                  f"bias mean {b.mean().item():.3g}): the bias was counted {world} "
-                                                  "times"}
-        return {"status": "wrong", "message": f"on rank {rank} the output differs from the dense layer by up to "
-                                              f"{(y - want).abs().max().item():.3g}"}
-    return {"status": "ok"}
-
-
-def grade_row_parallel_linear(fn, source) -> str:
-    return on_ranks.grade(source, __name__, "check_row_parallel_linear(row_parallel_linear)", RANKS,
-                          "the output equals the dense layer's on both ranks: the bias is added once, after the sum",
-                          HANG, timeout=30)
-
-
-register(Exercise(
-    name="row_parallel_linear", notebook="04", ranks=RANKS, bug_lab=True,
-    title="Find the bug: a row-parallel layer whose bias counts T times",
-    grade=grade_row_parallel_linear,
-    hints=("Compare the output with the dense layer's row by row: by how much does it differ, and does that "
-           "depend on the input?",
-           "F.linear(x, w, bias) on every rank puts the bias into every partial sum; the all-reduce then adds T "
-           "copies. Multiply without the bias, all-reduce, then add it."),
-    solution='''
-def row_parallel_linear(x_shard, w_shard, bias):
-    y = torch.nn.functional.linear(x_shard, w_shard)   # my partial sum, without the bias
-    comm.all_reduce(y, "sum")                          # g
-    return y + bias                                    # once, after the sum
-'''))
-
