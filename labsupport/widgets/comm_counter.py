@@ -9,6 +9,8 @@ This module only chooses the inputs, formats the outputs and draws them:
     predict(...)              one step's collectives per phase and op, their alpha-beta time on a
                               machine beside the step's compute time, and the ratio (a dict)
     comm_figure(...)          the same as a static Figure: wire bytes per op and phase; the two times
+    scaling_figure(ratios)    communication / compute against T, one line per machine, the node
+                              boundary marked: why T stays inside a node
     from_run(summary)         the settings of a `labsupport.train.run(...)` result and what its rank 0
                               counted, so that a real run can be drawn beside its prediction
     CommCounterWidget(...)    controls -> predict(...) -> readout, table, figure; .figure() is the
@@ -19,7 +21,7 @@ from __future__ import annotations
 import html
 
 from matplotlib.patches import Patch
-from matplotlib.ticker import EngFormatter
+from matplotlib.ticker import EngFormatter, NullFormatter
 
 from .collectives import NotebookFigure
 from .memory import MFU, format_bytes, model_shape, preset_label
@@ -143,7 +145,7 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
         times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     times.set_xlim(0, max(seconds) * 1.3)
     times.set_xticks([])  # the bars carry their times
-    where = "the ring crosses the network" if pred["crosses"] else "inside one node"
+    where = "the ring crosses the network:\nits time is an upper bound" if pred["crosses"] else "inside one node"
     times.set_title(f"comm / compute = {pred['ratio']:.3g}\n{machine}, {pred['gbps']:g} GB/s\n{where}", fontsize=10,
                     color="#b00" if pred["crosses"] else "black")
     return fig
@@ -155,6 +157,34 @@ def comm_figure(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, c
     Other keywords are `predict`'s; `counted` ({op: calls, payload_bytes, wire_bytes}) is drawn beside."""
     pred = predict(model, tp, machine, **options)
     return _figure(pred, machine, counted, title or _title(model, tp, options.get("sequence_parallel", False)))
+
+
+def scaling_figure(ratios: dict[str, dict[int, float]], devices_per_node: int = 8, title: str = ""):
+    """Communication / compute against T on log axes, one line per machine ({machine: {T: ratio}}),
+    with the node boundary and the break-even line marked. Only T and the 1-2-5 values carry labels:
+    a log axis's default minor labels run into each other."""
+    fig = NotebookFigure(figsize=(6.4, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for machine, by_tp in ratios.items():
+        tps = sorted(by_tp)
+        ax.plot(tps, [by_tp[t] for t in tps], marker="o", label=machine)
+    ax.set(xscale="log", yscale="log", xlabel="tensor-parallel degree T", ylabel="TP comm / compute per layer")
+    ax.set_title(title, fontsize=10)
+    tps = sorted({t for by_tp in ratios.values() for t in by_tp})
+    ax.set_xticks(tps, [str(t) for t in tps])
+    low, high = ax.get_ylim()
+    steps = [m * 10 ** e for e in range(-3, 4) for m in (1, 2, 5) if low <= m * 10 ** e <= high]
+    ax.set_yticks(steps, [f"{v:g}" for v in steps])
+    ax.set_ylim(low, high)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.axvline(devices_per_node, color="gray", linestyle=":")
+    ax.text(devices_per_node * 1.04, high / 1.5, f"node boundary ({devices_per_node} devices)", color="gray",
+            va="top", fontsize=9)
+    ax.axhline(1, color="black", linewidth=0.5)
+    ax.text(tps[0], 1.08, "communication = compute", fontsize=8, va="bottom")
+    ax.legend(loc="lower right", fontsize=9)
+    return fig
 
 
 class CommCounterWidget:
@@ -185,25 +215,27 @@ class CommCounterWidget:
         if settings["tp"] not in tp_choices(cfg.heads):
             raise ValueError(f"T = {settings['tp']} is not offered for {cfg.name} ({cfg.heads} heads): choose one "
                              f"of {tp_choices(cfg.heads)}")
-        style = {"description_width": "170px"}
+        # Every description fits its 180 px label and every menu entry its box (tests measure them):
+        # the model menu is wide enough for "gpt2-medium (analysis shape: ...)", the rest share one width.
+        style, wide, narrow = {"description_width": "180px"}, W.Layout(width="680px"), W.Layout(width="440px")
         c = self.controls = {
             "model": W.Dropdown(options=[(preset_label(n), n) for n in PRESETS], value=cfg.name,
-                                description="model", style=style, layout=W.Layout(width="560px")),
+                                description="model", style=style, layout=wide),
             "seq_len": W.BoundedIntText(value=cfg.seq_len, min=1, max=10_000_000, description="sequence length",
-                                        style=style),
+                                        style=style, layout=narrow),
             "tp": W.Dropdown(options=tp_choices(cfg.heads), value=settings["tp"], description="tensor parallel T",
-                             style=style),
+                             style=style, layout=narrow),
             "sequence_parallel": W.Checkbox(value=settings["sequence_parallel"], description="sequence parallel",
-                                            style=style, layout=W.Layout(width="420px")),
+                                            style=style, layout=narrow),
             "micro_batch": W.BoundedIntText(value=settings["micro_batch"], min=1, max=4096, description="micro-batch",
-                                            style=style),
+                                            style=style, layout=narrow),
             "microbatches": W.BoundedIntText(value=settings["microbatches"], min=1, max=4096,
-                                             description="micro-batches per step", style=style),
+                                             description="micro-batches per step", style=style, layout=narrow),
             "bytes_per_element": W.Dropdown(options=[("bf16 (2 bytes)", 2), ("fp32 (4 bytes)", 4)],
                                             value=settings["bytes_per_element"], description="activations",
-                                            style=style),
+                                            style=style, layout=narrow),
             "machine": W.Dropdown(options=list(MACHINES), value=machine, description="machine", style=style,
-                                  layout=W.Layout(width="420px")),
+                                  layout=narrow),
         }
         for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
             control.add_class(f"labsupport-comm-{name.replace('_', '-')}")
@@ -262,7 +294,10 @@ class CommCounterWidget:
         else:
             crossing = (f"T = {tp} > {m.devices_per_node} devices per node: the ring crosses the network"
                         if pred["crosses"] else f"T = {tp} fits in one node of {m.devices_per_node}")
-            self.text = (f"{crossing} ({pred['gbps']:g} GB/s per direction, alpha {pred['alpha_s'] * 1e6:g} us). "
+            bound = ("; between nodes that is a pessimistic bound, so the time is an upper bound"
+                     if pred["crosses"] else "")
+            link_text = f"{pred['gbps']:g} GB/s per direction, alpha {pred['alpha_s'] * 1e6:g} us{bound}"
+            self.text = (f"{crossing} ({link_text}). "
                          f"On {m.name} one step's TP communication takes {format_time(pred['comm_s'])}, its "
                          f"{compute}: communication / compute = {pred['ratio']:.3g}.")
         if self.counted is not None:
@@ -306,11 +341,12 @@ class CommCounterWidget:
             rows.append(row)
         if not rows:
             return ""
-        cell = "<td style='padding:1px 10px; text-align:{}'>{}</td>"
+        # nowrap: a narrow output area must scroll the table, not break "18.9 MB" over two lines
+        cell = "<td style='padding:1px 10px; white-space:nowrap; text-align:{}'>{}</td>"
         body = "".join("<tr>" + "".join(cell.format("left" if i < 2 else "right", v) for i, v in enumerate(r))
                        + "</tr>" for r in rows)
-        header = "".join(f"<th style='padding:1px 10px'>{h}</th>" for h in head)
-        return f"<table><tr>{header}</tr>{body}</table>"
+        header = "".join(f"<th style='padding:1px 10px; white-space:nowrap'>{h}</th>" for h in head)
+        return f"<div style='overflow-x:auto'><table><tr>{header}</tr>{body}</table></div>"
 
     def figure(self):
         """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`."""
