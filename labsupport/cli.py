@@ -205,21 +205,23 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
     """The --emit text (Megatron-DeepSpeed arguments, or a job script running them) and its JSON keys."""
     import shlex
 
-    from .estimate.planner import MEGATRON_SCRIPT, deepspeed_config, megatron_arguments
+    from .estimate.planner import MEGATRON_SCRIPT, deepspeed_config, megatron_arguments, megatron_environment
     megatron = megatron_arguments(best, cfg, global_batch, args.precision)
     ds_config = deepspeed_config(best, global_batch, args.precision)
+    environment = megatron_environment(best, frontier=args.machine == "frontier")
     if args.emit == "megatron":
-        text = (f"# ds_config.json: {json.dumps(ds_config)}\n"
-                f"{MEGATRON_SCRIPT} {shlex.join(megatron)}")
-        return text, {"megatron_args": megatron, "ds_config": ds_config}
+        text = "\n".join([f"# ds_config.json: {json.dumps(ds_config)}", *environment,
+                          f"{MEGATRON_SCRIPT} {shlex.join(megatron)}"])
+        return text, {"megatron_args": megatron, "ds_config": ds_config, "environment": environment}
     from .jobscript import render
     per_node = min(machine.devices_per_node, best.gpus)
     if best.gpus % per_node:
         raise UsageError(f"{best.gpus} GPUs do not fill whole nodes of {per_node}; give a multiple of {per_node}")
     script = render(args.scheduler, best.gpus // per_node, per_node, ["python", MEGATRON_SCRIPT, *megatron],
-                    account=args.account, frontier=args.scheduler == "slurm" and args.machine == "frontier")
+                    account=args.account, frontier=args.scheduler == "slurm" and args.machine == "frontier",
+                    environment=environment)
     return (f"ds_config.json beside it: {json.dumps(ds_config)}\n{script}",
-            {"megatron_args": megatron, "ds_config": ds_config, "jobscript": script})
+            {"megatron_args": megatron, "ds_config": ds_config, "environment": environment, "jobscript": script})
 
 
 def cmd_plan(args) -> int:

@@ -87,3 +87,17 @@ def test_mistakes_are_one_line(capsys, args, message):
     code, out, err = plan(capsys, *args)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(capsys):
+    """TP 4 on Frontier: CUDA_DEVICE_MAX_CONNECTIONS=1 just before the command (Megatron-LM asserts it
+    for TP > 1), the Part III deck's porting steps as comments; the same lines in the job script."""
+    code, out, _ = plan(capsys, *WORKSHOP_175B, "--emit", "megatron")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[-2:] == ["export CUDA_DEVICE_MAX_CONNECTIONS=1", lines[-1]]
+    assert lines[-1].startswith("pretrain_gpt_deepspeed.py ") and "DS_BUILD_CPU_ADAM=1" in out
+    result = plan_json(capsys, *WORKSHOP_175B, "--emit", "jobscript")
+    assert "\n".join(result["environment"]) in result["jobscript"]
+    elsewhere = plan_json(capsys, *WORKSHOP_175B[:4], "--machine", "dgx-a100", *WORKSHOP_175B[6:], "--emit", "megatron")
+    assert elsewhere["environment"][-1] == "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert "DS_BUILD" not in " ".join(elsewhere["environment"])

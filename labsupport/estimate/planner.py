@@ -334,8 +334,9 @@ def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precisio
              f"step {total:.3g} s (compute {c.compute_s / total:.0%}, TP {c.tp_comm_s / total:.0%}, "
              f"PP sends {c.pp_comm_s / total:.0%}, DP sync {c.dp_comm_s / total:.0%}, bubble {c.bubble_s / total:.0%})."]
     if node % c.tp:
-        lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, 4 per layer and micro-batch, use the "
-                     f"{machine.inter_gbps:g} GB/s network instead of the node's {machine.intra_gbps:g} GB/s links.")
+        lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, 4 per layer and micro-batch, are priced at "
+                     f"the {machine.inter_gbps:g} GB/s network figure (a pessimistic bound) instead of the node's "
+                     f"{machine.intra_gbps:g} GB/s links.")
     elif c.tp > 1:
         lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its 4 all-reduces per layer and micro-batch use "
                      f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.3, takeaway #1).")
