@@ -5,12 +5,15 @@ import pytest
 matplotlib.use("Agg")
 pytest.importorskip("ipywidgets")
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
+from matplotlib.textpath import TextPath  # noqa: E402
 
 from labsupport.estimate.schedules import schedule  # noqa: E402
 from labsupport.estimate.simulator import simulate  # noqa: E402
 from labsupport.widgets import pipeline as wp  # noqa: E402
-from labsupport.widgets.show import figure_png  # noqa: E402
+from labsupport.widgets.show import DPI, figure_png  # noqa: E402
 
 
 def stage_labels(ax):
@@ -94,8 +97,97 @@ def test_measured_run_is_drawn_beside_the_prediction():
     assert stage_labels(real) == stage_labels(predicted) == ["stage 1", "stage 0"]
     assert real.get_xlim() == pytest.approx((0, 0.01 * timeline.total_time))  # from the earliest span
     assert real.get_title(loc="left") == "measured" and real.get_xlabel() == "seconds"
-    widget = wp.PipelineWidget("1f1b", stages=2, microbatches=3, measured=[[list(s) for s in st] for st in measured])
+    widget = wp.PipelineWidget("1f1b", stages=2, microbatches=3,
+                               measured={"1f1b": [[list(s) for s in st] for st in measured]})
     assert len(widget.figure().axes) == 4  # two Gantt charts, two throughput plots
+
+
+def measured_runs(p=2, m=8):
+    """Seconds-scaled simulated runs standing in for the notebook's live gpipe, 1f1b and interleaved runs."""
+    return {name: [[(10 + 0.01 * s, 10 + 0.01 * e, op, mb, c) for s, e, op, mb, c in stage]
+                   for stage in simulate(schedule(name, p, m, v), chunks=v).spans]
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
+
+
+def test_the_measured_panel_follows_the_controls_and_never_shows_another_runs_step():
+    """Issue 18: the panel stayed at 1F1B p = 2 m = 8 whatever the controls said. It shows the run of the
+    chosen schedule while stages, micro-batches and chunks are that run's, and otherwise says so, empty."""
+    runs = measured_runs()
+    w = wp.PipelineWidget("1f1b", stages=2, microbatches=8, measured=runs)
+    for name in ("gpipe", "interleaved", "1f1b"):
+        w.controls["schedule"].value = name
+        measured = w.figure().axes[1]
+        assert w.measured_shown == name and "Beside it, measured" in w.text
+        assert measured.get_title(loc="left") == f"measured: {wp.run_label(name, *wp.run_shape(runs[name]))}"
+        assert measured.get_xlim()[1] == pytest.approx(max(s[1] for st in runs[name] for s in st) - 10)
+    for control, value in (("stages", 4), ("microbatches", 16)):
+        w.controls[control].value = value
+        fig = w.figure()
+        measured, legend = fig.axes[1], fig.subfigs[0].legends[0]
+        assert w.measured_shown is None and not measured.axison and len(measured.collections) == 0
+        assert "no run of these settings" in measured.get_title(loc="left") and "No measured run" in w.text
+        (note,) = measured.texts
+        assert "1f1b, p = 2, m = 8" in note.get_text()
+        renderer = rendered(fig)
+        box = note.get_window_extent(renderer)
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+        assert not box.overlaps(legend.get_window_extent(renderer)), "the note runs under the legend"
+        w.controls[control].value = {"stages": 2, "microbatches": 8}[control]
+    w.controls["schedule"].value = "interleaved"
+    w.controls["chunks"].value = 3            # v = 3 was not measured
+    assert w.measured_shown is None
+    assert len(wp.PipelineWidget("1f1b", stages=4).figure().axes) == 3   # no measurement, no panel
+
+
+def rendered(fig):
+    fig.set_dpi(DPI)   # measured as the PNG is drawn
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def label_boxes(fig):
+    """(label, its box, its bar's box) for every micro-batch number drawn, after a draw as the PNG's."""
+    renderer = rendered(fig)
+    for ax in fig.axes:
+        for label in ax.texts:
+            if isinstance(label, wp.BarLabel) and label.fits:
+                (left, _), (right, _) = ax.transData.transform([(label.bar[0], 0), (label.bar[1], 0)])
+                yield label, label.get_window_extent(renderer), (left, right)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: wp.gantt_figure(simulate(schedule("interleaved", 4, 8, 2), chunks=2)),       # notebook 05's [29]
+    lambda: wp.gantt_figure(simulate(schedule("interleaved", 4, 16, 4), chunks=4)),
+    lambda: wp.gantt_figure(simulate(schedule("1f1b", 4, 8))),
+    lambda: wp.PipelineWidget("interleaved", stages=4, microbatches=8).figure(),
+    lambda: wp.PipelineWidget("gpipe", stages=16, microbatches=64).figure(),
+])
+def test_micro_batch_numbers_sit_inside_their_bars_or_are_left_out(make):
+    """Issue 18: 05[29]'s warm-up numbers ran into each other in the narrow chunk bars. A number is drawn
+    only where it fits inside its bar, so none touches another; wide bars keep theirs."""
+    fig = make()
+    drawn = list(label_boxes(fig))
+    for label, box, (left, right) in drawn:
+        assert left + wp.PAD_PX <= box.x0 and box.x1 <= right - wp.PAD_PX, f"{label.get_text()!r} fills its bar"
+    for (a, box_a, _), (b, box_b, _) in zip(drawn, drawn[1:]):
+        assert not box_a.overlaps(box_b) or a.get_position()[1] != b.get_position()[1], (a.get_text(), b.get_text())
+    one_f_one_b = [t for t in fig.axes[0].texts if isinstance(t, wp.BarLabel)]
+    if len(one_f_one_b) <= 64:
+        assert sum(t.fits for t in one_f_one_b) >= len(one_f_one_b) / 2   # most bars are wide enough to say which
+
+
+def text_width_px(text: str) -> float:
+    """Width in JupyterLab's widget font (13 px), set in DejaVu Sans, wider than the usual UI sans fonts."""
+    return TextPath((0, 0), text, size=13, prop=FontProperties(family=["DejaVu Sans"])).get_extents().width
+
+
+def test_control_labels_are_not_cut_off():
+    """Issue 18: "backward / forw..." - JupyterLab cuts a description wider than description_width."""
+    w = wp.PipelineWidget()
+    width = float(wp.DESCRIPTION_WIDTH.removesuffix("px"))
+    for name, control in w.controls.items():
+        assert text_width_px(control.description) <= width - 4, name
 
 
 def test_throughput_plots_are_one_minus_the_bubble_formula():

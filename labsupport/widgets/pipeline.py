@@ -9,7 +9,8 @@ this module only chooses the inputs and draws the outputs:
     throughput_figure(schedule, p, m, v)    relative throughput (1 - bubble) against micro-batches
                                             and against stages: the workshop's two plots
     PipelineWidget(...)                     controls -> schedule -> simulate -> readout and picture;
-                                            .figure(): the same as a static Figure (show(w, w.figure()))
+                                            .figure(): the same as a static Figure (show(w, w.figure()));
+                                            a measured run beside it while the controls match that run
 
 A measured run is, per stage, a list of (start_s, end_s, op, microbatch, chunk) tuples: what the
 executor in `labsupport.parallel.pipeline` records, and what `Timeline.spans` holds.
@@ -20,6 +21,7 @@ import html
 
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 from ..estimate.schedules import SCHEDULES, check_schedule_args, schedule
 from ..estimate.simulator import Timeline, bubble_fraction, simulate
@@ -30,6 +32,7 @@ COLORS = {"F": "#4C72B0", "B": "#55A868"}   # forward and backward, as in the ov
 IDLE = "#E6E6E6"
 LABELS = {"F": "forward", "B": "backward", "idle": "idle (the bubble)"}
 MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 16, 64, 4
+DESCRIPTION_WIDTH = "150px"   # "backward / forward" whole, in JupyterLab's 13 px font
 
 
 def chunk_color(op: str, chunk: int, chunks: int) -> tuple:
@@ -40,6 +43,38 @@ def chunk_color(op: str, chunk: int, chunks: int) -> tuple:
 
 def _spans(timeline) -> list[list[tuple]]:
     return timeline.spans if isinstance(timeline, Timeline) else [[tuple(s) for s in stage] for stage in timeline]
+
+
+def run_shape(spans) -> tuple[int, int, int]:
+    """(stages, micro-batches, chunks) of a run, read off its spans: what the widget's controls must say
+    for the run to be the one they describe."""
+    forwards = [s for stage in _spans(spans) for s in stage if s[2] == "F"]
+    return len(spans), len({s[3] for s in forwards}), max((s[4] for s in forwards), default=0) + 1
+
+
+def run_label(name: str, stages: int, microbatches: int, chunks: int = 1) -> str:
+    return f"{name}, p = {stages}, m = {microbatches}" + (f", v = {chunks}" if chunks > 1 else "")
+
+
+PAD_PX = 2   # bar left either side of a micro-batch number, so that it reads apart from the bar's edges
+
+
+class BarLabel(Text):
+    """A micro-batch number that is drawn only where it fits inside its bar, measured at draw time:
+    a narrow chunk's bar (interleaving's warm-up in a small figure) stays unlabelled rather than
+    carrying digits that run into each other. `fits` says what the last draw decided."""
+
+    def __init__(self, start: float, stop: float, y: float, text: str, **kwargs):
+        super().__init__((start + stop) / 2, y, text, ha="center", va="center", fontsize=7, **kwargs)
+        self.bar = (start, stop)
+        self.fits = True
+        self.set_in_layout(False)
+
+    def draw(self, renderer):
+        left, right = self.axes.transData.transform([(self.bar[0], 0), (self.bar[1], 0)])[:, 0]
+        self.fits = self.get_window_extent(renderer).width <= (right - left) - 2 * PAD_PX
+        if self.fits:
+            super().draw(renderer)
 
 
 def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str = "time units") -> None:
@@ -61,10 +96,8 @@ def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str
         for (op, chunk), ranges in groups.items():
             ax.broken_barh(ranges, (y - 0.4, 0.8), facecolors=chunk_color(op, chunk, chunks),
                            edgecolors="white", linewidth=0.5 if bars <= 48 else 0)
-        if bars <= 48:  # micro-batch numbers while they still fit in their bars
-            for start, stop, op, microbatch, chunk in stage:
-                ax.text((start + stop) / 2 - t0, y, str(microbatch), ha="center", va="center", fontsize=7,
-                        color="white" if chunk == 0 else "black")
+        for start, stop, op, microbatch, chunk in stage:
+            ax.add_artist(BarLabel(start - t0, stop - t0, y, str(microbatch), color="white" if chunk == 0 else "black"))
     ax.set_yticks(range(stages), [f"stage {s}" for s in reversed(range(stages))])
     ax.set_ylim(-0.6, stages - 0.4)
     ax.set_xlim(0, end)
@@ -93,7 +126,8 @@ def gantt_figure(timeline, measured=None, title: str | None = None, unit: str = 
     if measured is not None:
         panels.append((_spans(measured), measured_title, measured_unit))
     chunks = max((s[4] for p, _, _ in panels for stage in p for s in stage), default=0) + 1
-    fig = NotebookFigure(figsize=(5.2 * len(panels) + 1.6, 1.2 + 0.32 * max(len(p) for p, _, _ in panels)),
+    panel_width = 5.2 if chunks == 1 else 7.2   # a chunk's bars are 1 / v wide: room for their numbers
+    fig = NotebookFigure(figsize=(panel_width * len(panels) + 1.6, 1.2 + 0.32 * max(len(p) for p, _, _ in panels)),
                          layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (panel, panel_title, panel_unit) in zip(axes, panels):
@@ -160,19 +194,23 @@ class PipelineWidget:
 
     `PipelineWidget()` in a notebook cell displays it. Its state is inspectable without a browser:
     set `w.controls["microbatches"].value = 16` and `w.timeline` (simulate's Timeline), `w.text`,
-    `w.bubble.value` and `w.png` follow. `measured=` (per-stage (start_s, end_s, op, microbatch,
-    chunk) lists of a real run) draws that run's Gantt beside the simulated one. A combination the
+    `w.bubble.value` and `w.png` follow. `measured=` ({schedule name: a real run's per-stage
+    (start_s, end_s, op, microbatch, chunk) lists}) draws the run of the chosen schedule beside the
+    simulated one while stages, micro-batches and chunks are that run's; elsewhere the panel says
+    which runs there are and stays empty, so a prediction is never set beside another
+    configuration's measurement (`w.measured_shown`: the name shown, or None). A combination the
     schedule refuses (interleaved with m not a multiple of p) is reported in the widget (`w.error`).
     CSS classes: labsupport-pipeline, labsupport-pipeline-bubble, labsupport-pipeline-figure, and
     labsupport-pipeline-<control> on each control.
     """
 
     def __init__(self, name: str = "1f1b", stages: int = 4, microbatches: int = 8, chunks: int = 2,
-                 backward_ratio: float = 2.0, measured=None, measured_title: str = "measured"):
+                 backward_ratio: float = 2.0, measured: dict | None = None):
         import ipywidgets as W
 
-        self.measured, self.measured_title = measured, measured_title
-        style = {"description_width": "120px"}
+        self.measured = {run: _spans(spans) for run, spans in (measured or {}).items()}
+        self.measured_shown: str | None = None
+        style = {"description_width": DESCRIPTION_WIDTH}
         c = self.controls = {
             "schedule": W.ToggleButtons(options=list(SCHEDULES), value=name, description="schedule", style=style),
             "stages": W.IntSlider(value=stages, min=1, max=MAX_STAGES, description="stages p", style=style),
@@ -218,24 +256,41 @@ class PipelineWidget:
         self.timeline = simulate(schedule(o["name"], o["stages"], o["microbatches"], o["chunks"]),
                                  backward_ratio=o["backward_ratio"], chunks=o["chunks"])
         self.text = describe(self.timeline, o["name"], o["stages"], o["microbatches"], o["chunks"])
+        shape = (o["stages"], o["microbatches"], o["chunks"])
+        spans = self.measured.get(o["name"])
+        self.measured_shown = o["name"] if spans is not None and run_shape(spans) == shape else None
+        if self.measured_shown:
+            self.text += " Beside it, measured: the real run of these settings."
+        elif self.measured:
+            self.text += f" No measured run of these settings; there are {self.measured_runs()}."
         self.bubble.value = f"<div style='max-width:960px'>{html.escape(self.text)}</div>"
         self.png = figure_png(self.figure())
         self.image.value = self.png
         return self.timeline
+
+    def measured_runs(self, sep: str = "; ") -> str:
+        """The measured runs in words: which settings show one."""
+        return sep.join(run_label(name, *run_shape(spans)) for name, spans in self.measured.items())
 
     def figure(self):
         """A static Figure of what the widget shows now: the Gantt chart(s) above the two throughput plots."""
         if self.timeline is None:
             raise ValueError(f"the widget shows no schedule: {self.error}")
         o = self.options()
-        panels = [(self.timeline.spans, f"{o['name']}: bubble {self.timeline.bubble_fraction:.1%}",
-                   "time (a forward = 1)")]
-        if self.measured is not None:
-            panels.append((_spans(self.measured), self.measured_title, "seconds"))
         fig = NotebookFigure(figsize=(9.6, 4.6 + 0.25 * o["stages"]), layout="constrained")
         top, bottom = fig.subfigures(2, 1, height_ratios=[1.0 + 0.08 * o["stages"], 1.0])
-        for ax, (spans, title, unit) in zip(top.subplots(1, len(panels), squeeze=False)[0], panels):
-            draw_gantt(ax, spans, title, unit)
+        axes = top.subplots(1, 2 if self.measured else 1, squeeze=False)[0]
+        draw_gantt(axes[0], self.timeline.spans, f"{o['name']}: bubble {self.timeline.bubble_fraction:.1%}",
+                   "time (a forward = 1)")
+        if self.measured_shown:
+            spans = self.measured[self.measured_shown]
+            draw_gantt(axes[1], spans, f"measured: {run_label(self.measured_shown, *run_shape(spans))}", "seconds")
+        elif self.measured:
+            axes[1].set_axis_off()
+            axes[1].set_title("measured: no run of these settings", fontsize=10, loc="left", color="gray")
+            runs = self.measured_runs("\n")
+            axes[1].text(0, 0.9, f"set the controls to a run that was measured:\n{runs}", va="top",
+                         fontsize=9, color="gray", transform=axes[1].transAxes)
         top.legend(handles=gantt_legend(o["chunks"]), loc="outside right upper", frameon=False, fontsize=8)
         draw_throughput(*bottom.subplots(1, 2), o["name"], o["stages"], o["microbatches"], o["chunks"])
         return fig
