@@ -28,6 +28,15 @@ def _runs_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("LABSUPPORT_RUNS", str(tmp_path / "runs"))
 
 
+@pytest.fixture(autouse=True)
+def _bug_labs_as_shipped():
+    """A bug lab counts the first source it grades as the cell as shipped (exercise.grade); in a test
+    session, as in a fresh kernel, each test starts anew."""
+    from labsupport.lab.exercise import EXERCISES
+    for exercise in EXERCISES.values():
+        exercise.shipped = None
+
+
 def planted_copy(module, replacements, path: Path) -> None:
     """Write `module`'s source to `path` with bugs planted (each (old, new) must occur in it) and its
     relative imports made absolute, so a test's script can import the copy in place of the real one."""
