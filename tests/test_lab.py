@@ -397,9 +397,9 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     ranks.stop()  # the module's pools may still run
     status, out = grade("sync_gradients", mutate("sync_gradients", '"avg"', '"sum"'), capsys)
     assert status == ex.BUGGY and "2x, the sum over the ranks" in out, out
-
-
     assert "(checking on 2 fresh ranks, a few seconds: no pool is running" in out, out
+
+
 # ---------------------------------------------------------------- notebook 06 (graded by the planner, no ranks)
 
 LAYOUT_WRONG = [
