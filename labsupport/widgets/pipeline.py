@@ -33,6 +33,7 @@ IDLE = "#E6E6E6"
 LABELS = {"F": "forward", "B": "backward", "idle": "idle (the bubble)"}
 MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 16, 64, 4
 DESCRIPTION_WIDTH = "150px"   # "backward / forward" whole, in JupyterLab's 13 px font
+SLIDER_WIDTH = "480px"        # the description, a track of about 270 px, the readout
 
 
 def chunk_color(op: str, chunk: int, chunks: int) -> tuple:
@@ -211,14 +212,18 @@ class PipelineWidget:
         self.measured = {run: _spans(spans) for run, spans in (measured or {}).items()}
         self.measured_shown: str | None = None
         style = {"description_width": DESCRIPTION_WIDTH}
+
+        def slider(kind, **kwargs):   # its own Layout each: chunks' is hidden alone
+            return kind(style=style, layout=W.Layout(width=SLIDER_WIDTH), **kwargs)
+
         c = self.controls = {
             "schedule": W.ToggleButtons(options=list(SCHEDULES), value=name, description="schedule", style=style),
-            "stages": W.IntSlider(value=stages, min=1, max=MAX_STAGES, description="stages p", style=style),
-            "microbatches": W.IntSlider(value=microbatches, min=1, max=MAX_MICROBATCHES,
-                                        description="micro-batches m", style=style),
-            "chunks": W.IntSlider(value=chunks, min=2, max=MAX_CHUNKS, description="chunks v", style=style),
-            "backward_ratio": W.FloatSlider(value=backward_ratio, min=0.5, max=4.0, step=0.5,
-                                            description="backward / forward", style=style),
+            "stages": slider(W.IntSlider, value=stages, min=1, max=MAX_STAGES, description="stages p"),
+            "microbatches": slider(W.IntSlider, value=microbatches, min=1, max=MAX_MICROBATCHES,
+                                   description="micro-batches m"),
+            "chunks": slider(W.IntSlider, value=chunks, min=2, max=MAX_CHUNKS, description="chunks v"),
+            "backward_ratio": slider(W.FloatSlider, value=backward_ratio, min=0.5, max=4.0, step=0.5,
+                                     description="backward / forward"),
         }
         for key, control in c.items():
             control.add_class(f"labsupport-pipeline-{key.replace('_', '-')}")
