@@ -148,7 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Update this rank's shard, then all-gather the updated parameters of every partition."""
         loss = self.optim.step(closure)
         for part in self.partitions:
-            mine = part.flat[part.start:part.start + part.shard_size].clone()  # input must not alias the output
+            mine = part.flat[part.start:part.start + part.shard_size]  # this rank's own slice: the in-place form
             comm.all_gather_into_tensor(part.flat, mine, group=self.group)
         return loss
 
