@@ -144,6 +144,14 @@ def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
     assert verdict in out and out.rstrip().endswith("because."), out
 
 
+@pytest.mark.parametrize("guess, verdict", [(None, "No prediction entered. Formula: 0.1111."),
+                                            (0.11, "You predicted 0.11; formula 0.1111: right.")])
+def test_reveal_names_where_its_value_comes_from(guess, verdict, capsys):
+    predict.reveal(guess, 0.1111, label="Formula")
+    out = capsys.readouterr().out
+    assert verdict in out and "easured" not in out, out
+
+
 # ---------------------------------------------------------------- on real ranks
 
 RING_WRONG = [

@@ -17,18 +17,20 @@ def _number(x) -> str:
     return f"{x:,.4g}"
 
 
-def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.1) -> None:
+def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.1,
+           label: str = "Measured") -> None:
     """Print the guess beside the measured value, and `why` the value is what it is.
 
-    Numbers count as right within `tolerance` (relative); anything else must be equal.
+    Numbers count as right within `tolerance` (relative); anything else must be equal. `label` names where the
+    value comes from ("Simulated", "Formula"), so that a computed answer is not called a measurement.
     """
     numbers = isinstance(measured, (int, float)) and isinstance(guess, (int, float))
     shown = f"{_number(measured)} {unit}".strip() if isinstance(measured, (int, float)) else repr(measured)
     if guess is None:
-        line = f"No prediction entered. Measured: {shown}."
+        line = f"No prediction entered. {label}: {shown}."
     elif numbers:
         ratio = guess / measured if measured else float("inf") if guess else 1.0
-        line = f"You predicted {_number(guess)}; measured {shown}: " + (
+        line = f"You predicted {_number(guess)}; {label.lower()} {shown}: " + (
             "right." if abs(ratio - 1) <= tolerance else
             f"off by a factor {max(ratio, 1 / ratio) if ratio else float('inf'):.3g}.")
     else:
