@@ -131,8 +131,9 @@ def test_notebook_03_bug_labs_state_symptoms_only():
     nor its first hint (where to look) may name the cause."""
     ex._load_all()
     path = next(p for p in NOTEBOOKS if p.stem.startswith("03"))
-    causes = {"clip_sharded_": ("norm of whatever", "shard's norm", "its own norm", "squared gradient norm"),
-              "shard_block": ("no_grad", "requires_grad", "out of the if")}
+    causes = {"clip_sharded_": ("norm of whatever", "shard's norm", "its own norm", "squared gradient norm",
+                                "single number"),
+              "shard_block": ("no_grad", "requires_grad", "out of the if", "which line")}
     for name, (index, _) in exercise_cells(path).items():
         above = "".join(source(c) for c in cells(path)[:index] if c["cell_type"] == "markdown")
         for cause in causes.get(name, ()):

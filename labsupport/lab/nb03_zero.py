@@ -345,8 +345,8 @@ def grade_shard_block(fn, source) -> str:
 register(Exercise(
     name="shard_block", notebook="03", ranks=RANKS, title="Find the bug: a ZeRO-3 block that stays gathered",
     grade=grade_shard_block, bug_lab=True,
-    hints=("Memory drops in training and not in evaluation. What does an evaluation forward pass do differently, "
-           "and which line of after_forward depends on it?",
+    hints=("Compare what after_forward does in the two passes the check runs, the training one and the "
+           "evaluation one.",
            "Evaluation runs under torch.no_grad(): no output requires grad, so everything under "
            "`if output.requires_grad:` is skipped, unit.free() included.",
            "Only the re-gather for backward belongs under the if (backward needs the parameters again only in "
