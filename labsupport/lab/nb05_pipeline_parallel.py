@@ -143,7 +143,7 @@ def check_one_f_one_b_locally(fn) -> str:
         want_peak = [min(p - s, m) for s in range(p)]
         if timeline.peak_inflight_microbatches != want_peak:
             raise Wrong(f"with p = {p}, m = {m} the stages keep {timeline.peak_inflight_microbatches} micro-batches in "
-                        f"flight at most, expected p - stage = {want_peak}")
+                        f"flight at most, expected min(p - stage, m) = {want_peak}")
     return "ok"
 
 
