@@ -96,6 +96,10 @@ def test_beyond_a_node_the_ring_crosses_the_network(machine):
     assert across["crosses"] and (across["alpha_s"], across["gbps"]) == (m.inter_alpha_s, m.inter_gbps)
     assert "T = 16 > 8 devices per node: the ring crosses the network" in w.text
     assert "<b style='color:#b00'>T = 16 &gt; 8 devices per node: the ring crosses the network</b>" in w.readout.value
+    # review 04 item 6: only the bandwidth is a bound; with an assumed alpha the time is an estimate
+    assert "pessimistic bound" in w.text and "the time is an estimate" in w.text and "upper bound" not in w.text
+    titles = [ax.get_title() for ax in w.figure().axes]
+    assert any("pessimistic bound" in t for t in titles) and not any("upper bound" in t for t in titles), titles
     assert across["ratio"] > 2 * inside["ratio"]  # half the compute per rank, and a slower link
 
 

@@ -145,7 +145,8 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
         times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     times.set_xlim(0, max(seconds) * 1.3)
     times.set_xticks([])  # the bars carry their times
-    where = "the ring crosses the network:\nits time is an upper bound" if pred["crosses"] else "inside one node"
+    where = ("the ring crosses the network:\nbandwidth at a pessimistic bound" if pred["crosses"]
+             else "inside one node")
     times.set_title(f"comm / compute = {pred['ratio']:.3g}\n{machine}, {pred['gbps']:g} GB/s\n{where}", fontsize=10,
                     color="#b00" if pred["crosses"] else "black")
     return fig
@@ -294,8 +295,8 @@ class CommCounterWidget:
         else:
             crossing = (f"T = {tp} > {m.devices_per_node} devices per node: the ring crosses the network"
                         if pred["crosses"] else f"T = {tp} fits in one node of {m.devices_per_node}")
-            bound = ("; between nodes that is a pessimistic bound, so the time is an upper bound"
-                     if pred["crosses"] else "")
+            bound = ("; between nodes that bandwidth is a pessimistic bound and alpha an assumption, so the time "
+                     "is an estimate whose bandwidth term errs high" if pred["crosses"] else "")
             link_text = f"{pred['gbps']:g} GB/s per direction, alpha {pred['alpha_s'] * 1e6:g} us{bound}"
             self.text = (f"{crossing} ({link_text}). "
                          f"On {m.name} one step's TP communication takes {format_time(pred['comm_s'])}, its "
