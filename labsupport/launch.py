@@ -31,11 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_NOTEBOOK_TIMEOUT = 600
-# What launch() runs: torchrun's agent (labsupport.agent), whose store serves on 127.0.0.1 only
-# (runtime.tcp_store) instead of on every interface, as torch's static rendezvous would.
-_AGENT = ("import runpy; from torch.distributed.elastic.rendezvous import static_tcp_rendezvous; "
-          "from labsupport.runtime import tcp_store; static_tcp_rendezvous.TCPStore = tcp_store; "
-          "runpy.run_module('labsupport.agent', run_name='__main__', alter_sys=True)")
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|communicator was aborted|Broken pipe", re.I)
 
@@ -271,7 +266,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
     from .runtime import threads_per_rank
     port = free_port()
-    cmd = [sys.executable, "-c", _AGENT, "--nnodes=1", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "labsupport.agent", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
            "--monitor-interval=0.1", "-m", "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),
