@@ -17,6 +17,7 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   scaling           weak and strong scaling curves from the planner's model, beside the workshop's
   published         Narayanan et al.'s Table 1 layouts, to hold the planner against
   energy            compute-optimal tokens (Hoffmann et al.) and training energy (Patterson et al.)
+  workshop          the workshop decks' runs and launch scripts as data, each fact citing its source
 
 Nothing in this package imports torch: a planner for a 1T-parameter model must run on a laptop.
 """
