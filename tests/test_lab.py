@@ -9,6 +9,7 @@ import pytest
 from labsupport.estimate.workshop import HANDS_ON
 from labsupport.lab import exercise as ex
 from labsupport.lab import predict
+from labsupport.lab.nb06_3d_parallelism import LAYOUT_CASES
 
 
 def grade(name, source, capsys):
@@ -412,14 +413,14 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
 
 LAYOUT_WRONG = [
     ("    cfg = get_preset(model)\n    best = None", "    return dict(dp=1, tp=1, pp=1, micro_batch=1, zero=0)",
-     r"dp x tp x pp = 1 x 1 x 1 = 1, not the 16 GPUs"),
+     r"dp x tp x pp = 1 x 1 x 1 = 1, not the 48 GPUs"),
     ("for tp in (1, 2, 4, 8):", "for tp in (1,):",
-     r"1t on 1024 Frontier GCDs \(global batch 1024\): TP 1 x PP 128 x DP 8, .* fits but takes 297 s a step, 1\.56x "
-     r"the planner's best \(TP 8 x PP 32 x DP 4.*\)\. Yours against the best: bubble \+124 s, .*TP -23 s\."),
-    ("for tp in (1, 2, 4, 8):", "for tp in (16,):", r"22b on 16 .*TP 16 x PP 1 x DP 1.* Yours against the best: TP \+501 s"),
+     r"175b on 256 Frontier GCDs \(global batch 640\): TP 1 x PP 32 x DP 8, .* fits but takes 91\.1 s a step, 1\.51x "
+     r"the planner's best \(TP 4 x PP 32 x DP 2.*\)\. Yours against the best: bubble \+19\.5 s, .*TP -5\.91 s\."),
+    ("for tp in (1, 2, 4, 8):", "for tp in (16,):", r"22b on 48 .*TP 16 x PP 3 x DP 1.* Yours against the best: TP \+167 s"),
     ('["total"] <= USABLE', '["total"] <= 1e15',
-     r"22b on 16 Frontier GCDs .*TP 1 x PP 16 x DP 1, .*no recomputation needs 90\.9 GB per GCD \(model states "
-     r"22\.1 GB, activations 68\.9 GB\), more than the 57\.6 GB usable of 64 GB\. Heavier activation recomputation "
+     r"22b on 48 Frontier GCDs .*TP 1 x PP 48 x DP 1, .*no recomputation needs 76\.2 GB per GCD \(model states "
+     r"7\.4 GB, activations 68\.9 GB\), more than the 57\.6 GB usable of 64 GB\. Heavier activation recomputation "
      r"would shrink it$"),
     ("    return best[1]", "    return tuple(best[1].values())", r"should return a dict with keys dp, tp, pp, micro_batch, zero"),
     ("micro_batch=1, zero=zero, recompute=recompute))", "zero=zero, recompute=recompute))", r"micro_batch missing"),
@@ -455,24 +456,36 @@ def test_choose_layout_refuses_an_answer_from_the_planner(capsys):
     assert namespace["P"].plan is planner.plan and planner.plan.__name__ == "plan"
 
 
-def test_choose_layout_on_the_hands_on_scripts_layouts(capsys):
-    """The scripts' layouts pass when the check picks the recomputation; with their own
-    checkpoint-activations the 22B run pays a third more compute than selective recomputation needs."""
+def test_choose_layout_is_not_answered_by_the_layouts_printed_above_it(capsys):
+    """The cases are the hands-on models on node counts the notebook prints no layout for: the
+    scripts' layouts copied do not split the GPUs, and their TP x PP with the DP that fills the
+    GPUs does not split 22B's batch and runs 175B at 1.33x the best."""
     layouts = {m: {k: v for k, v in s.layout().items() if k != "recompute"} for m, s in HANDS_ON.items()}
-    answer = f"def choose_layout(model, gpus, global_batch):\n    return {layouts!r}[model]\n"
-    status, out = grade("choose_layout", answer, capsys)
-    assert status == ex.SOLVED and "22b 1.00x (the planner's best itself)" in out and "175b 1.19x" in out, out
-    full = f"def choose_layout(model, gpus, global_batch):\n    return {dict((m, s.layout()) for m, s in HANDS_ON.items())!r}[model]\n"
-    status, message = grade("choose_layout", full, capsys)
-    assert status == ex.WRONG and "1.30x" in message and "compute +31 s (full recomputation against selective" in message, message
+    assert all((m, s.gpus, s.global_batch) not in LAYOUT_CASES for m, s in HANDS_ON.items())
+    copied = f"def choose_layout(model, gpus, global_batch):\n    return {layouts!r}[model]\n"
+    status, message = grade("choose_layout", copied, capsys)
+    assert status == ex.WRONG and "dp x tp x pp = 2 x 1 x 8 = 16, not the 48 GPUs" in message, message
+    refilled = (f"def choose_layout(model, gpus, global_batch):\n    layout = dict({layouts!r}[model])\n"
+                "    layout['dp'] = gpus // (layout['tp'] * layout['pp'])\n    return layout\n")
+    status, message = grade("choose_layout", refilled, capsys)
+    assert status == ex.WRONG and "global batch 640 is not a multiple of dp x micro-batch = 6 x 1" in message, message
+    scripts_tp_pp = ("def choose_layout(model, gpus, global_batch):\n"
+                     "    tp, pp = {'22b': (1, 12), '175b': (4, 16), '1t': (4, 128)}[model]\n"
+                     "    return dict(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, zero=1)\n")
+    status, message = grade("choose_layout", scripts_tp_pp, capsys)
+    assert status == ex.WRONG and "175b on 256 Frontier GCDs" in message and "TP 4 x PP 16 x DP 4" in message, message
+    assert "1.33x the planner's best" in message and "compute +15.5 s (full recomputation against selective" in message, message
 
 
 def test_choose_layout_does_not_advise_what_an_answer_already_uses(capsys):
     """A layout with ZeRO-1 and full recomputation that does not fit is told only what is left."""
     answer = ("def choose_layout(model, gpus, global_batch):\n"
-              "    return dict(dp=8, tp=1, pp=2, micro_batch=1, zero=1, recompute='full')\n")
+              "    if model == '22b':\n"
+              "        return dict(dp=4, tp=1, pp=12, micro_batch=1, zero=1)\n"
+              "    return dict(dp=32, tp=1, pp=8, micro_batch=1, zero=1, recompute='full')\n")
     status, message = grade("choose_layout", answer, capsys)
-    assert status == ex.WRONG and "doesn't" not in message and "ZeRO-1 over" not in message, message
+    assert status == ex.WRONG and "175b on 256 Frontier GCDs" in message and "doesn't" not in message, message
+    assert "ZeRO-1 over" not in message, message
     assert "recomputation would" not in message and "More model parallelism (tp x pp) would shrink it" in message, message
 
 

@@ -1,6 +1,6 @@
-"""Notebook 06's exercises: choose a 3D layout for the workshop's three hands-on runs from the
-rules (graded by the planner: it must fit, and run within 1.3x of the planner's best step time),
-and a find-the-bug lab (a rank order with tensor-parallel groups straddling nodes).
+"""Notebook 06's exercises: choose a 3D layout for the workshop's three hands-on models, with their
+scripts' global batches on other node counts, from the rules (graded by the planner: it must fit,
+and run within 1.3x of the planner's best step time), and a find-the-bug lab (a rank order with tensor-parallel groups straddling nodes).
 
 Both grade against `labsupport.estimate`: `planner.evaluate` and `planner.plan` for the layout,
 `widgets.rank_grid.layout`'s notion of a group crossing nodes (node k holds ranks k G .. k G + G - 1)
@@ -14,8 +14,12 @@ from ..estimate.memory import RECOMPUTE
 from ..estimate.workshop import HANDS_ON, PLANNER_PRECISION
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
 
-# (model preset, Frontier GCDs, global batch): the hands-on scripts' nodes and --global-batch-size.
-LAYOUT_CASES = tuple((model, s.gpus, s.global_batch) for model, s in HANDS_ON.items())
+# (model preset, Frontier GCDs, global batch): each hands-on script's --global-batch-size on a node count
+# the notebook prints no layout for (22B on 6 nodes, 175B on 32, 1T on 256; the scripts run 2, 16 and 128),
+# so the scripts' layouts printed above it are no answer: their TP x PP does not split 48 GCDs into
+# replicas that divide 640 sequences, and the 175B one runs 1.33x the best on 256 GCDs.
+NODE_COUNTS = {"22b": 6, "175b": 32, "1t": 256}
+LAYOUT_CASES = tuple((model, NODE_COUNTS[model] * 8, s.global_batch) for model, s in HANDS_ON.items())
 WITHIN = 1.3              # slower than the planner's best by at most this factor
 KEYS = ("dp", "tp", "pp", "micro_batch", "zero")
 SOLVERS = ("plan", "search", "evaluate", "layouts")   # the planner's: an answer must not call them
@@ -167,7 +171,8 @@ def grade_choose_layout(fn, source) -> str:
 
 
 register(Exercise(
-    name="choose_layout", notebook="06", title="Choose the 3D layouts of the workshop's hands-on runs",
+    name="choose_layout", notebook="06",
+    title="Choose the 3D layouts of the workshop's hands-on models on other node counts",
     grade=grade_choose_layout,
     hints=("Start from memory: `estimate_memory(get_preset(model), dp=..., tp=..., pp=..., zero=1, "
            "recompute=...)['total']` must stay under 90% of a GCD's 64 GB. tp must divide the heads, pp the "
