@@ -452,16 +452,19 @@ def megatron_environment(c: Config, frontier: bool = False) -> list[str]:
     CUDA_DEVICE_MAX_CONNECTIONS=1 leaves the GPU one hardware queue per process, so kernels start
     in the order they are issued and the TP collectives Megatron issues ahead of a matmul overlap
     with it (the docstring of `linear_with_grad_accumulation_and_async_allreduce` in
-    `megatron/core/tensor_parallel/layers.py`). Megatron-LM's `validate_args` asserts it for TP > 1;
-    the fork's (an older Megatron) raises only for sequence parallelism and the asynchronous TP
-    all-reduce, which it turns off under `--deepspeed`. The workshop's Frontier scripts export it
+    `megatron/core/tensor_parallel/layers.py`). Current Megatron-LM's `validate_args` requires it for
+    TP > 1 on GPUs older than Blackwell (it checks the device's architecture version; with FSDP it
+    warns instead, and some communication-overlap options change the check); the fork's (an older
+    Megatron) raises only for sequence parallelism and the asynchronous TP all-reduce, which it
+    turns off under `--deepspeed`. The workshop's Frontier scripts export it
     at every TP (the FA2 branch's `launch_gpt22b_bf16.slurm` runs TP 1), and the deck lists it
     among the porting steps, so on Frontier it comes with FRONTIER_PORTING.
     """
     lines = FRONTIER_PORTING[:] if frontier else []
     if c.tp > 1 or frontier:
         lines += ["# One hardware queue per GPU: kernels start in the order they are issued, so the TP",
-                  "# collectives overlap the matmuls issued after them. Megatron-LM asserts it for TP > 1.",
+                  "# collectives overlap the matmuls issued after them. Megatron-LM requires it for TP > 1",
+                  "# on these GPUs (current versions check for GPUs older than Blackwell).",
                   "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
     return lines
 
