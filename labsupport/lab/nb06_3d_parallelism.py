@@ -1,6 +1,7 @@
 """Notebook 06's exercises: choose a 3D layout for the workshop's three hands-on models, with their
 scripts' global batches on other node counts, from the rules (graded by the planner: it must fit,
-and run within 1.3x of the planner's best step time), and a find-the-bug lab (a rank order with tensor-parallel groups straddling nodes).
+and run within 1.3x of the planner's best step time), and a find-the-bug lab (a rank order with
+tensor-parallel groups straddling nodes).
 
 Both grade against `labsupport.estimate`: `planner.evaluate` and `planner.plan` for the layout,
 `widgets.rank_grid.layout`'s notion of a group crossing nodes (node k holds ranks k G .. k G + G - 1)
