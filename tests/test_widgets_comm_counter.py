@@ -6,6 +6,7 @@ import pytest
 
 matplotlib.use("Agg")
 
+from figures import px, text_px, texts_cut_or_overlapping  # noqa: E402
 from labsupport.estimate.comm_cost import collective_time  # noqa: E402
 from labsupport.estimate.flops import training_flops_per_token  # noqa: E402
 from labsupport.estimate.machines import MACHINES, link  # noqa: E402
@@ -198,16 +199,6 @@ def test_a_real_run_reads_back_as_its_prediction():
 
 # ---------------------------------------------------------------- what the pictures and the controls look like
 
-def text_width_px(text: str, size_px: float = 13) -> float:
-    """Width of `text` at JupyterLab's 13 px widget font, measured in DejaVu Sans (wider than the usual UI fonts)."""
-    from matplotlib.textpath import TextPath
-    return TextPath((0, 0), text, size=size_px).get_extents().width
-
-
-def px(length: str) -> float:
-    return float(length.removesuffix("px"))
-
-
 def test_descriptions_and_menu_entries_are_not_cut_off():
     """Issue 18: a description wider than its label box, or a menu entry wider than its menu, is cut off
     ("...") in JupyterLab. Each description fits the label box; each entry fits its menu less the arrow."""
@@ -218,12 +209,12 @@ def test_descriptions_and_menu_entries_are_not_cut_off():
         label = px(control.style.description_width)
         width = px(control.layout.width)
         if isinstance(control, W.Checkbox):  # its text follows the indent and the box
-            assert label + 24 + text_width_px(control.description) <= width, name
+            assert label + 24 + text_px(control.description) <= width, name
             continue
-        assert text_width_px(control.description) + 8 <= label, f"{name}: {control.description!r}"
+        assert text_px(control.description) + 8 <= label, f"{name}: {control.description!r}"
         if isinstance(control, W.Dropdown):
-            longest = max(control._options_labels, key=text_width_px)
-            assert text_width_px(longest) <= width - label - 40, f"{name}: {longest!r}"
+            longest = max(control._options_labels, key=text_px)
+            assert text_px(longest) <= width - label - 40, f"{name}: {longest!r}"
 
 
 def test_table_numbers_stay_on_one_line():
@@ -233,29 +224,6 @@ def test_table_numbers_stay_on_one_line():
     assert table.startswith("<div style='overflow-x:auto'><table>")
     cells = table.count("<td") + table.count("<th")
     assert cells > 20 and table.count("white-space:nowrap") == cells
-
-
-def drawn_texts(fig):
-    """(text, window extent) of every text the figure draws: titles, axis and tick labels (major and
-    minor, within the axis' limits), legends, annotations."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    texts = list(fig.texts)
-    for legend in fig.legends:
-        texts += legend.get_texts()
-    for ax in fig.axes:
-        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
-        for axis, (low, high) in ((ax.xaxis, sorted(ax.get_xlim())), (ax.yaxis, sorted(ax.get_ylim()))):
-            for minor in (False, True):
-                ticks = axis.get_minor_ticks() if minor else axis.get_major_ticks()
-                locs = axis.get_minorticklocs() if minor else axis.get_majorticklocs()
-                texts += [t.label1 for t, loc in zip(ticks, locs) if low <= loc <= high]
-        if ax.get_legend():
-            texts += ax.get_legend().get_texts()
-    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_visible() and t.get_text()]
 
 
 def pictures():
@@ -274,15 +242,7 @@ def pictures():
 def test_figure_texts_are_whole_and_apart(name, fig):
     """Issue 18: colliding minor tick labels on 04's log-log plot. Every drawn text lies inside the
     figure and no two overlap."""
-    boxes = drawn_texts(fig)
-    assert boxes
-    frame = fig.bbox
-    for text, box in boxes:
-        assert frame.x0 - 0.5 <= box.x0 and box.x1 <= frame.x1 + 0.5 and frame.y0 - 0.5 <= box.y0 \
-            and box.y1 <= frame.y1 + 0.5, f"{name}: {text!r} is cut off"
-    for i, (a, box_a) in enumerate(boxes):
-        for b, box_b in boxes[i + 1:]:
-            assert not box_a.overlaps(box_b), f"{name}: {a!r} overlaps {b!r}"
+    assert texts_cut_or_overlapping(fig) == [], name
 
 
 def test_scaling_figure_labels_the_degrees_and_round_ratios_only():

@@ -10,6 +10,7 @@ import pytest
 
 matplotlib.use("Agg")
 
+from figures import rendered, text_px, texts_cut_or_overlapping  # noqa: E402
 from labsupport.estimate.memory import estimate_memory, largest_model_that_fits  # noqa: E402
 from labsupport.estimate.params import count_params  # noqa: E402
 from labsupport.model import PRESETS, ModelConfig  # noqa: E402
@@ -304,12 +305,6 @@ def test_parameter_count_is_kept_exactly(n):
     assert w.estimate["n_params"] == int(n) and f"{int(n):,} parameters" in w.text
 
 
-def text_width_px(text: str, size_px: float = 13) -> float:
-    """Width of `text` at JupyterLab's 13 px UI font, measured in DejaVu Sans (wider than the usual UI fonts)."""
-    from matplotlib.textpath import TextPath
-    return TextPath((0, 0), text, size=size_px).get_extents().width
-
-
 def test_control_descriptions_fit_their_labels():
     """Issue 18: 'GPU memory (...' and 'offload optimizer to ho...': a description wider than its label
     box is cut off. Every description fits the box; a checkbox's row is as wide as its text."""
@@ -319,27 +314,10 @@ def test_control_descriptions_fit_their_labels():
             assert control.layout.width == "auto", name
             continue
         width = float(control.style.description_width.removesuffix("px"))
-        assert text_width_px(control.description) <= width, f"{name}: {control.description!r}"
+        assert text_px(control.description) <= width, f"{name}: {control.description!r}"
         if isinstance(control, __import__("ipywidgets").Dropdown):  # the menu's box, less its arrow, holds each entry
             box = float((control.layout.width or "300px").removesuffix("px")) - width - 30
-            assert max(text_width_px(str(label)) for label in control._options_labels) <= box, name
-
-
-def text_boxes(fig):
-    """(text, window extent) of every visible text of the figure: titles, ticks, axis labels, legend, notes."""
-    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
-    if renderer is None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        renderer = FigureCanvasAgg(fig).get_renderer()
-    fig.draw(renderer)
-    texts = []
-    for ax in fig.axes:
-        low, high = sorted(ax.get_ylim())
-        shown = [t for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]  # the others are not drawn
-        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts, *ax.get_xticklabels(), *shown]
-        if ax.get_legend():
-            texts += ax.get_legend().get_texts()
-    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_visible() and t.get_text()], renderer
+            assert max(text_px(str(label)) for label in control._options_labels) <= box, name
 
 
 def notebook_figures():
@@ -361,14 +339,8 @@ def notebook_figures():
 def test_figure_texts_are_whole_and_apart(name, fig):
     """Issue 18: labels cut off at the figure's edge, "A100 80 GB" written over the ZeRO-0 bar. Every
     text lies inside the figure, no two texts overlap, and no text other than a bar's total sits on a bar."""
-    boxes, renderer = text_boxes(fig)
-    canvas = fig.bbox
-    for text, box in boxes:
-        assert canvas.x0 - 0.5 <= box.x0 and box.x1 <= canvas.x1 + 0.5 and canvas.y0 - 0.5 <= box.y0 \
-            and box.y1 <= canvas.y1 + 0.5, f"{name}: {text!r} is cut off"
-    for i, (a, box_a) in enumerate(boxes):
-        for b, box_b in boxes[i + 1:]:
-            assert not box_a.overlaps(box_b), f"{name}: {a!r} overlaps {b!r}"
+    assert texts_cut_or_overlapping(fig) == [], name
+    renderer = rendered(fig)
     ax = fig.axes[0]
     bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
     for t in ax.texts:

@@ -5,15 +5,13 @@ import pytest
 matplotlib.use("Agg")
 pytest.importorskip("ipywidgets")
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
-from matplotlib.font_manager import FontProperties  # noqa: E402
-from matplotlib.textpath import TextPath  # noqa: E402
 
+from figures import rendered, text_px  # noqa: E402
 from labsupport.estimate.schedules import schedule  # noqa: E402
 from labsupport.estimate.simulator import simulate  # noqa: E402
 from labsupport.widgets import pipeline as wp  # noqa: E402
-from labsupport.widgets.show import DPI, figure_png  # noqa: E402
+from labsupport.widgets.show import figure_png  # noqa: E402
 
 
 def stage_labels(ax):
@@ -139,13 +137,6 @@ def test_the_measured_panel_follows_the_controls_and_never_shows_another_runs_st
     assert len(wp.PipelineWidget("1f1b", stages=4).figure().axes) == 3   # no measurement, no panel
 
 
-def rendered(fig):
-    fig.set_dpi(DPI)   # measured as the PNG is drawn
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return canvas.get_renderer()
-
-
 def label_boxes(fig):
     """(label, its box, its bar's box) for every micro-batch number drawn, after a draw as the PNG's."""
     renderer = rendered(fig)
@@ -177,17 +168,12 @@ def test_micro_batch_numbers_sit_inside_their_bars_or_are_left_out(make):
         assert sum(t.fits for t in one_f_one_b) >= len(one_f_one_b) / 2   # most bars are wide enough to say which
 
 
-def text_width_px(text: str) -> float:
-    """Width in JupyterLab's widget font (13 px), set in DejaVu Sans, wider than the usual UI sans fonts."""
-    return TextPath((0, 0), text, size=13, prop=FontProperties(family=["DejaVu Sans"])).get_extents().width
-
-
 def test_control_labels_are_not_cut_off():
     """Issue 18: "backward / forw..." - JupyterLab cuts a description wider than description_width."""
     w = wp.PipelineWidget()
     width = float(wp.DESCRIPTION_WIDTH.removesuffix("px"))
     for name, control in w.controls.items():
-        assert text_width_px(control.description) <= width - 4, name
+        assert text_px(control.description) <= width - 4, name
         if name != "schedule":   # a slider keeps a track to drag beside the wider description and its readout
             assert float(control.layout.width.removesuffix("px")) - width - 60 >= 250, name
 

@@ -6,76 +6,13 @@ import pytest
 
 matplotlib.use("Agg")
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.font_manager import FontProperties  # noqa: E402
-from matplotlib.textpath import TextPath  # noqa: E402
+from figures import cut_off_controls, figure_defects  # noqa: E402
 
 from labsupport.estimate.planner import (MACHINE_NAMES, explain_no_fit, plan, search, step_flops,  # noqa: E402
                                          usable_bytes, why)
 from labsupport.model import PRESETS  # noqa: E402
 from labsupport.widgets import planner as pw  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
-
-# ---------------------------------------------------------------- layout checks, shared with the rank grid's tests
-
-
-def drawn_texts(fig) -> list:
-    """Every text the PNG shows: titles, labels, annotations, legend entries, the tick labels in view."""
-    texts = list(fig.texts) + [t for legend in fig.legends for t in legend.get_texts()]
-    for ax in fig.axes:
-        texts += [ax.title, ax._left_title, ax._right_title, *ax.texts]
-        texts += ax.get_legend().get_texts() if ax.get_legend() else []
-        if ax.axison:
-            texts += [ax.xaxis.label, ax.yaxis.label]
-            for axis in (ax.xaxis, ax.yaxis):
-                low, high = sorted(axis.get_view_interval())
-                texts += [tick.label1 for tick in axis.get_major_ticks() + axis.get_minor_ticks()
-                          if low <= tick.get_loc() <= high and tick.label1.get_visible()]
-    return [t for t in texts if t.get_visible() and t.get_text().strip()]
-
-
-def figure_defects(fig) -> list[str]:
-    """What a reader would trip over in the PNG: a text cut off at the edge, two texts on top of
-    each other (tick labels included), a legend inside a plot (where it hides or crowds the data)."""
-    fig.set_dpi(sh.DPI)
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
-    page = fig.bbox
-    defects = [f"cut off: {text!r}" for text, b in boxes
-               if b.x0 < page.x0 or b.y0 < page.y0 or b.x1 > page.x1 or b.y1 > page.y1]
-    defects += [f"on top of each other: {a!r}, {b!r}" for i, (a, box) in enumerate(boxes)
-                for b, other in boxes[i + 1:] if box.overlaps(other)]
-    legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
-    defects += [f"legend {[t.get_text() for t in legend.get_texts()][:2]} inside the plot {ax.get_title()!r}"
-                for legend in legends for ax in fig.axes
-                if legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))]
-    return defects
-
-
-def text_px(text: str) -> float:
-    """The width of `text` at JupyterLab's 13 px widget font, measured in DejaVu Sans (wider than
-    the browsers' UI fonts, so a text that fits here fits there)."""
-    return TextPath((0, 0), text, size=13, prop=FontProperties(family="DejaVu Sans")).get_extents().width
-
-
-def cut_off_controls(controls: dict) -> list[str]:
-    """Control descriptions wider than their description_width, and menu entries wider than the
-    menu (the control's width, 300 px unless set, less its description and ~40 px of padding and
-    arrow): the browser cuts them off with an ellipsis."""
-    from ipywidgets import Dropdown
-
-    cut = []
-    for name, control in controls.items():
-        label_px = int(control.style.description_width.removesuffix("px"))
-        if text_px(control.description) > label_px:
-            cut.append(f"{name}: {control.description!r}")
-        if isinstance(control, Dropdown):
-            menu_px = int((control.layout.width or "300px").removesuffix("px")) - label_px - 40
-            cut += [f"{name}: {label!r}" for label in control._options_labels if text_px(label) > menu_px]
-    return cut
-
 
 def expected_rows(configs, cfg, global_batch, top=5):
     best = configs[0].step_time_s

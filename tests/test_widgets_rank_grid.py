@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 from labsupport.parallel.mesh import Mesh, groups_along  # noqa: E402
 from labsupport.widgets import rank_grid as rg  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
-from test_widgets_planner import cut_off_controls, figure_defects  # noqa: E402
+from figures import cut_off_controls, figure_defects  # noqa: E402
 
 BAD_ORDER = ("dp", "pp", "tp")  # DP fastest: notebook 06's find-the-bug lab
 
