@@ -196,3 +196,16 @@ def test_a_real_runs_counters_read_back():
     assert sent > 0 and w.split == {"tp": {"inside": 0, "across": sent}}
     w.controls["devices_per_node"].value = 2
     assert w.split == {"tp": {"inside": sent, "across": 0}}
+
+
+
+def test_a_group_with_nothing_across_nodes_draws_no_red_edge():
+    """Issue 18 follow-up: with DP fastest the figure said 0 DP bytes cross nodes, yet DP's bar had a red
+    edge: a zero-height "across" bar outlined in red. Only a group with bytes across is outlined."""
+    traffic = [{"tp": counts(10**6), "pp": counts(10**4), "dp": counts(10**5)}] * 8
+    fig = rg.rank_grid_figure(2, 2, 2, 4, order=BAD_ORDER, traffic=traffic)
+    split = rg.traffic_split(rg.layout(2, 2, 2, 4, order=BAD_ORDER), traffic)
+    across = [bar for bar in fig.axes[-1].patches if bar.get_hatch()]
+    assert len(across) == len(split) and any(s["across"] == 0 for s in split.values())
+    for bar, side in zip(across, split.values()):
+        assert (bar.get_edgecolor()[3] > 0) == (side["across"] > 0), (side, bar.get_edgecolor())

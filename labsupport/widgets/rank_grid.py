@@ -206,7 +206,8 @@ def _draw_traffic(ax, split: dict) -> None:
     inside = [split[n]["inside"] for n in names]
     across = [split[n]["across"] for n in names]
     ax.bar(names, inside, color="#4C72B0", label="inside a node")
-    ax.bar(names, across, bottom=inside, color="white", edgecolor=CROSSING, hatch="//", label="across nodes")
+    ax.bar(names, across, bottom=inside, color="white", hatch="//", label="across nodes",
+           edgecolor=[CROSSING if a else "none" for a in across])  # no red line on a group with nothing across
     ax.yaxis.set_major_formatter(format_bytes)
     ax.set_ylabel("wire bytes per step, all ranks")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2, fontsize=8, frameon=False)  # off the bars
