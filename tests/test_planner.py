@@ -95,7 +95,7 @@ def test_workshop_175b_megatron_arguments_are_the_forks_flags():
 
 
 def test_megatron_environment_orders_tp_kernels_and_names_frontiers_porting_steps():
-    """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 (Megatron-LM asserts it) and on Frontier (the
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 (Megatron-LM requires it on pre-Blackwell GPUs) and on Frontier (the
     workshop's scripts set it at every TP); on Frontier, the Part III deck's porting steps as comments."""
     cfg = PRESETS["175b"]
     tp4 = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full")
