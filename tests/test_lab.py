@@ -140,9 +140,9 @@ def test_unknown_exercise_is_named():
     (6.0, 3.0, "You predicted 6; measured 3: off by a factor 2."), ("b", "b", "the answer is 'b': right."),
     ("a", "b", "the answer is 'b': not quite."), (1_500_000, 1_572_864, "measured 1,572,864: right.")])
 def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
-    predict.reveal(guess, measured, why="because.")
+    predict.reveal(guess, measured, why="reduce_scatter")
     out = capsys.readouterr().out
-    assert verdict in out and out.rstrip().endswith("because."), out
+    assert verdict in out and out.rstrip().endswith(" Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72."), out
 
 
 @pytest.mark.parametrize("guess, verdict", [(None, "No prediction entered. Formula: 0.1111."),
@@ -151,6 +151,47 @@ def test_reveal_names_where_its_value_comes_from(guess, verdict, capsys):
     predict.reveal(guess, 0.1111, label="Formula")
     out = capsys.readouterr().out
     assert verdict in out and "easured" not in out, out
+
+
+def test_an_explanation_is_looked_up_by_the_predictions_name():
+    """The cell names the explanation; the text lives in the notebook's lab module (nb05_pipeline_parallel.WHY)."""
+    from labsupport.lab.nb05_pipeline_parallel import WHY
+    assert predict.explain("naive_idle") == WHY["naive_idle"]
+    assert predict.explanations()["naive_idle"] == WHY["naive_idle"]
+
+
+def test_an_explanation_with_fields_takes_its_values_from_the_cell(capsys):
+    values = dict(padded_params=817_920, n_tensors=52, optimizer_bytes=6_543_568)
+    assert predict.fields(predict.explanations()["optimizer_mb"]) == set(values)
+    predict.reveal(None, 6.543568, unit="MB", why="optimizer_mb", **values)
+    assert capsys.readouterr().out == (
+        "No prediction entered. Measured: 6.544 MB. 8 bytes (Adam's two fp32 moments) x 817,920 parameters, the "
+        "vocabulary padding rows included, + a 4-byte `step` per tensor (52 tensors): 6,543,568 bytes.\n")
+
+
+def test_an_unknown_explanation_is_named_with_the_known_ones():
+    with pytest.raises(KeyError, match=r"no explanation named 'nope'; the explanations are: .*naive_idle"):
+        predict.reveal(None, 1.0, why="nope")
+    with pytest.raises(KeyError, match="no explanation named"):  # text where the key belongs: not a key either
+        predict.explain("Each stage works 1 + 2 = 3 of the 12 time units")
+
+
+@pytest.mark.parametrize("values", [{}, {"n_layers": 4}, {"n_layers": 4, "blocks_share": 0.97, "extra": 1}])
+def test_an_explanation_says_which_values_it_takes(values):
+    with pytest.raises(TypeError, match=r"'params' takes the values \['blocks_share', 'n_layers'\]"):
+        predict.explain("params", **values)
+    with pytest.raises(TypeError, match="takes the values none"):
+        predict.explain("naive_idle", n_layers=4)
+
+
+def test_explanations_render_and_their_keys_are_unique(monkeypatch):
+    for key, text in predict.explanations().items():
+        assert key.isidentifier() and text.strip() == text and text.endswith((".", ")")), key
+        assert predict.explain(key, **{f: 1 for f in predict.fields(text)})
+    from labsupport.lab import nb00_collectives
+    monkeypatch.setitem(nb00_collectives.WHY, "naive_idle", "again")
+    with pytest.raises(ValueError, match="'naive_idle' is defined twice"):
+        predict.explanations()
 
 
 # ---------------------------------------------------------------- on real ranks

@@ -193,3 +193,12 @@ def mean_loss(loss, step):
         print(f"step {step}: mean loss {total.item():.3f}")
     return total.item()
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "reduce_scatter": "Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72.",
+    "ring_bytes": "2(n-1) = 6 steps of one chunk of M/4 = 256 KiB each: 1.5 MiB, 2(n-1)/n x M.",
+    "alpha_us": "A message between two processes of one machine costs a system call and a wake-up on each side.",
+}

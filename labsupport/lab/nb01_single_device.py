@@ -149,3 +149,17 @@ def accumulate(model, micro_batches):
         loss = lm_loss(model(x), y)
         (loss / len(micro_batches)).backward()   # the mean over the whole batch
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+# A {field} is a value the cell passes: why="NAME", field=value.
+WHY = {
+    "params": ("The {n_layers} blocks hold {blocks_share:.0%} of them (12·d² + 13·d each); with 57 characters and "
+               "128 positions the embeddings are small."),
+    "optimizer_mb": ("8 bytes (Adam's two fp32 moments) x {padded_params:,} parameters, the vocabulary padding rows "
+                     "included, + a 4-byte `step` per tensor ({n_tensors} tensors): {optimizer_bytes:,} bytes."),
+    "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
+                    "micro's matmuls are large enough for a CPU to come close to it. On a GPU this tiny model would "
+                    "reach a few percent (see below)."),
+}

@@ -191,3 +191,16 @@ def sync_gradients(model):
         if p.grad is not None:
             comm.all_reduce(p.grad, "avg")
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "calls": "One per parameter tensor: every weight, bias and LayerNorm vector is its own message.",
+    "bytes": ("4 bytes (fp32) per parameter, 817,024 x 4, in every mode: the modes differ in how many messages carry "
+              "them and when, not in how much they carry."),
+    "hidden": ("The buckets start during backward, so much of their time lies under it; the last bucket (the first "
+               "layers' gradients) cannot. But read the line above it: hidden is not the same as free."),
+    "speedup": ("Ideally 2x: twice the cores. Data parallelism does use the second core; what it loses is the "
+                "all-reduces, the waiting for the slower rank, and the cores shared with gloo's threads."),
+}

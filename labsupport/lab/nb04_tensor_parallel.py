@@ -396,3 +396,30 @@ def conjugate_backward(op, grad):
         comm.all_reduce(grad, "sum")    # x's gradient is the sum of their contributions
     return grad                         # g's output gradient is already whole, the same on every rank
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "backward_op": ("f's forward copied X to every rank, so X's gradient is the sum of the ranks' contributions: an "
+                    "all-reduce. g's forward made the output whole on every rank, so its gradient is already whole: "
+                    "the identity."),
+    "allreduces": ("The layers: 4 x (2 forward + 2 backward) = 16. The embedding, cut by vocabulary rows, adds the "
+                   "ranks' rows (its g): 1. The LM head, column-parallel over the vocabulary, adds its input's "
+                   "gradient in backward (its f): 1. The vocab-parallel loss: 2 (section 6 says which). The global "
+                   "gradient norm, for clipping: 1."),
+    "sp_wire": ("Each of the layers' all-reduces of b x s x h, and the LM head's f, became a reduce-scatter plus an "
+                "all-gather of the same buffer: the same 2 (T-1)/T per byte. The embedding's did not: it still "
+                "all-reduces its rows, then keeps its s/T positions (one of tp + SP's five all-reduces above, beside "
+                "the loss's two, the gradient norm's and the one below). On top: in backward, each column-parallel "
+                "layer (q/k/v, the MLP's first, the LM head) all-gathers its input again, half an all-reduce each, "
+                "which buys storing s/T positions; the all-gather of the positions the embedding scattered; and one "
+                "all-reduce per step of the LayerNorm and bias gradients (each rank saw only its positions, so each "
+                "holds a partial sum)."),
+    "cross_node": ("The bytes per rank hardly change (2 (T-1)/T goes from 1.75 to 1.875 times the message), the "
+                   "bandwidth per GCD drops from 50 to the bound's 12.5 GB/s, and the ring's latency term grows (30 "
+                   "steps instead of 14, each at the assumed 10 us instead of 5). The factor is an estimate: its "
+                   "bandwidth term, priced at the bound, overstates what crossing costs, and its latency term rests "
+                   "on assumed latencies. Meanwhile each rank's compute halves: the ratio of communication to "
+                   "compute gets more than eight times worse."),
+}

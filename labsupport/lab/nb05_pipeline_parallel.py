@@ -278,3 +278,21 @@ def blocking_actions(stage, stages, microbatches):
                 i += 1
     return actions
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "naive_idle": ("Each stage works 1 + 2 = 3 of the 12 time units (its forward and its backward) and waits for the "
+                   "other three stages the rest: (p - 1) / p = 3/4. Four devices do the work of one."),
+    "interleaved": ("(p - 1) / (v m) = 3 / 16: half of 1F1B's 3 / 8, because every forward and backward of the ramp "
+                    "is half a stage's layers. The price: twice the sends, and more activations in flight during "
+                    "warm-up: every stage holds more than twice as many chunk forwards as 1F1B holds micro-batches, "
+                    "each half a stage's."),
+    "live_bubble": ("The formula counts only the ramp, on a machine with free messages, equal stages and ranks in "
+                    "step: (p - 1) / (m + p - 1) = 1/9. What it leaves out, described below the chart, adds waiting."),
+    "memory_ratio": ("Stage 0 holds m = 8 micro-batches' activations at its peak under GPipe and p - 0 = 2 under "
+                     "1F1B: 4x (the last stage: 8 against 1). The meter counts the tensors autograd keeps for "
+                     "backward, the same bytes for every micro-batch, so the ratios are exactly the counts of "
+                     "micro-batches in flight."),
+}

@@ -290,3 +290,18 @@ def place_rank(d, p, t, dp, pp, tp):
     """TP fastest, then the pipeline stage, DP slowest (Mesh's order)."""
     return (d * pp + p) * tp + t
 '''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "tp_calls": ("Per micro-batch, the stage's one layer needs Megatron's 4 (g after attention and after the MLP "
+                 "forward, f before them backward) and the vocab-parallel embedding 1 (its rows summed): 5 x m = 10, "
+                 "and the gradient norm's float64 sum makes 11. The last stage has 15: the LM head's f and the "
+                 "loss's two reductions instead of the embedding."),
+    "pp_bytes": ("One activation per micro-batch, b x s x h x 4 bytes = 2 x 64 x 64 x 4 = 32,768, m = 2 times. Stage "
+                 "1 sends as much back: the activations' gradients."),
+    "dp_ratio": ("A ring all-reduce is a reduce-scatter followed by an all-gather. ZeRO-1 does the same two halves "
+                 "with the optimizer step in between, on the shard each rank owns (Rajbhandari et al. 2020, Sec. "
+                 "7.2.1): the same bytes, and half of the optimizer memory saved here, (d - 1)/d of it in general."),
+}
