@@ -3,21 +3,26 @@
 The shipped notebooks run top to bottom unsolved under nbval. Here, for every notebook: each of
 its exercises is in it once, ships as a template (or, for a find-the-bug lab, buggy) that says so
 without raising, no later cell uses the attendee's answer, there are at least three
-predict-then-run prompts and the progress table, and the stored outputs hold no error, no
+predict-then-run prompts and the progress table, each prompt's explanation named in its cell and
+written only in the lab module (the stored outputs print exactly it), and the stored outputs hold no error, no
 absolute path and no widget text repr. Then each exercise cell runs exactly as stored, first as
 shipped (it must say "not yet" or show its bug, not fail), then with LABSUPPORT_SOLUTIONS=1, so it
 runs its reference solution and must pass its check (on real ranks where the subject is
 distributed): solutions cannot rot. Exercise cells do
 not depend on the cells around them, so running only them keeps this fast.
 """
+import ast
+import importlib
 import json
 import re
 from pathlib import Path
 
 import pytest
+from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import InteractiveShell
 
 from labsupport.lab import exercise as ex
+from labsupport.lab import predict
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -82,6 +87,59 @@ def test_predictions_and_progress(path):
     for guess in guesses:  # each guess is asked for, with None as the shipped answer
         assert any(re.search(rf"^{guess} = None +# your prediction", s, re.M) for s in code), guess
     assert any(f'lab.progress("{path.stem[:2]}")' in s for s in code), f"{path.name} does not show lab.progress()"
+
+
+def reveal_calls(path: Path) -> list[tuple[int, ast.Call]]:
+    """(cell index, call) for every lab.reveal(...) in the notebook's code cells, in order."""
+    found = []
+    for index, cell in enumerate(cells(path)):
+        if cell["cell_type"] == "code" and "reveal(" in source(cell):
+            tree = ast.parse(TransformerManager().transform_cell(source(cell)))
+            found += sorted(((index, node) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                             and getattr(node.func, "attr", None) == "reveal"), key=lambda c: c[1].lineno)
+    return found
+
+
+@notebooks
+def test_predictions_are_explained_from_the_lab_module_not_the_cell(path):
+    """A cell's source is read before it runs: it names its explanation (the prediction's name), and any value the
+    explanation quotes, but holds no text that could give the answer away (issue 18, section 3)."""
+    module = importlib.import_module(f"labsupport.lab.{next(m for m in ex.MODULES if m[2:4] == path.stem[:2])}")
+    for index, call in reveal_calls(path):
+        where = f"{path.name}[{index}] {ast.unparse(call)[:70]}"
+        kw = {k.arg: k.value for k in call.keywords}
+        assert isinstance(kw.get("why"), ast.Constant), f"{where}: why= must name an explanation, a string key"
+        key = kw["why"].value
+        assert isinstance(call.args[0], ast.Name) and call.args[0].id == f"guess_{key}", \
+            f"{where}: why={key!r} should be the prediction's name, guess_{key} -> {key!r}"
+        assert key in getattr(module, "WHY", {}), f"{where}: {key!r} is not in {module.__name__}.WHY"
+        passed = set(kw) - {"why", "unit", "label", "tolerance"}
+        assert passed == predict.fields(module.WHY[key]), f"{where}: passes {passed}, the explanation takes others"
+        for node in ast.walk(call):
+            assert not isinstance(node, ast.JoinedStr), f"{where}: an f-string in a reveal call"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in (kw.get("unit"),
+                                                                                            kw.get("label")):
+                assert len(node.value.split()) <= 2, f"{where}: the text {node.value[:40]!r} belongs in the lab module"
+    code = "".join(source(c) for c in cells(path) if c["cell_type"] == "code")
+    for key, text in getattr(module, "WHY", {}).items():  # nor anywhere else in a code cell
+        for piece in re.split(r"\{[^}]*\}", text):
+            assert len(piece) < 40 or piece[:40] not in code, f"{path.name}: a code cell holds the {key!r} text"
+
+
+@notebooks
+def test_stored_reveal_outputs_print_the_lab_modules_explanation(path):
+    """The outputs stored before the explanations moved are still what the cells print: each reveal's line ends
+    with its explanation, every fixed part of a template in order (the values are the run's)."""
+    calls, all_cells = reveal_calls(path), cells(path)
+    for index, call in calls:
+        lines = [line for o in all_cells[index].get("outputs", []) if o["output_type"] == "stream"
+                 for line in "".join(o["text"]).splitlines()
+                 if line.startswith(("No prediction entered.", "You predicted"))]
+        n = [c for i, c in calls if i == index].index(call)  # the cell's n-th reveal prints its n-th line
+        key = next(k.value.value for k in call.keywords if k.arg == "why")
+        text = predict.explanations()[key]
+        pattern = "(.+?)".join(re.escape(piece) for piece in re.split(r"\{[^}]*\}", text))
+        assert len(lines) > n and re.search(rf" {pattern}$", lines[n]), f"{path.name}[{index}] {key}: {lines[n:n + 1]}"
 
 
 @notebooks
