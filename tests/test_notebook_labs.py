@@ -4,7 +4,7 @@ The shipped notebooks run top to bottom unsolved under nbval. Here, for every no
 its exercises is in it once, ships as a template (or, for a find-the-bug lab, buggy) that says so
 without raising, no later cell uses the attendee's answer, there are at least three
 predict-then-run prompts and the progress table, each prompt's explanation named in its cell and
-written only in the lab module (the stored outputs print exactly it), and the stored outputs hold no error, no
+written only in the lab module (the stored outputs print it), and the stored outputs hold no error, no
 absolute path and no widget text repr. Then each exercise cell runs exactly as stored, first as
 shipped (it must say "not yet" or show its bug, not fail), then with LABSUPPORT_SOLUTIONS=1, so it
 runs its reference solution and must pass its check (on real ranks where the subject is
