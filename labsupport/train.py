@@ -32,7 +32,7 @@ from .launch import make_run_dir
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import DEFAULT_PRESET, PRESETS, ModelConfig, TinyGPT, generate, get_preset
 from .parallel import ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel.config import DDP_MODES
+from .parallel import DDP_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:

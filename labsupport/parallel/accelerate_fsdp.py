@@ -38,7 +38,7 @@ from .. import comm
 from ..model import Block
 from .ddp import first_rank
 from .strategy import Strategy
-from .zero import BETAS, decay_groups
+from .optim import adamw
 
 SHARDING = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 0: "NO_SHARD"}  # --zero -> FSDP's sharding strategy
 
@@ -62,6 +62,14 @@ def deprecations_expected():
 class AccelerateFSDP(Strategy):
     name = "accelerate-fsdp"
 
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        if config.zero == 1:
+            return ["strategy 'accelerate-fsdp' has no ZeRO-1 (FSDP shards the gradients with the optimizer "
+                    "states): use --zero 3 (FULL_SHARD, the default), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD), "
+                    "or --strategy torch-zero1"]
+        return []
+
     def __init__(self, rt, config):
         super().__init__(rt, config)
         with deprecations_expected():
@@ -84,10 +92,7 @@ class AccelerateFSDP(Strategy):
             return self.accelerator.prepare_model(model)
 
     def make_optimizer(self, model, lr, weight_decay):
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(decay_groups(self.dims, weight_decay, params), lr=lr, betas=BETAS,
-                                      foreach=False)
-        return self.accelerator.prepare_optimizer(optimizer)
+        return self.accelerator.prepare_optimizer(adamw(model.parameters(), lr, weight_decay, self.dims))
 
     def no_sync(self, model):
         return self.accelerator.no_sync(model)

@@ -6,15 +6,19 @@ the benchmarks, and `check()` refuses a bad one with one line per mistake, namin
 (or keyword) to change. The degrees follow the rank grid of `mesh.py`:
 
     world size = dp x pp x tp
+
+The configuration checks the degrees and the batch; what each way of splitting needs (a
+divisible vocabulary, a schedule that exists, what it cannot combine with) it asks the steps of
+the composition (compose.py), and a reference strategy's own limits its class (registry.py). The
+options are shared flags, so every strategy gets the steps' checks of them.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..estimate.schedules import SCHEDULES
-
-DDP_MODES = ("naive", "flat", "bucketed")
-AXES = ("dp", "tp", "pp")
+from .compose import step_problems
+from .mesh import AXES
+from .registry import STRATEGIES
 
 
 class ConfigError(ValueError):
@@ -46,11 +50,10 @@ class ParallelConfig:
     def __post_init__(self):
         """`zeroK` *is* ZeRO stage K: a config naming it without --zero records stage K (in the
         checkpoint layout too). --zero itself is for strategies that combine ZeRO with more (3d)."""
-        from . import STRATEGIES
         entry = STRATEGIES.get(self.strategy)
         if self.zero is None:
             object.__setattr__(self, "zero", entry.default_zero if entry is not None else 0)
-        if entry is not None and entry.zero is not None and self.zero == 0:
+        if entry is not None and entry.zero and self.zero == 0:
             object.__setattr__(self, "zero", entry.zero)
 
     @classmethod
@@ -77,73 +80,53 @@ class ParallelConfig:
     def problems(self, world_size: int, model=None, global_batch: int | None = None,
                  micro_batch: int | None = None) -> list[str]:
         """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set."""
-        from . import STRATEGIES  # the registry says which axes each strategy splits
-        out = []
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
         degrees = {axis: getattr(self, axis) for axis in AXES}
         if min(degrees.values()) < 1:
             return [f"--dp, --tp and --pp must be >= 1, got {self._grid()}"]
-        if self.strategy == "single" and world_size != 1:
-            out.append(f"strategy 'single' runs on one rank; use --nproc 1 (got {world_size})")
+        out = self._degree_problems(entry, world_size)
+        zero = self._zero_problems(entry, grid_ok=not out)
+        out += zero
+        batch = self._batch_problems(global_batch, micro_batch) if global_batch is not None else []
+        microbatches = None  # per step, what a pipeline schedule runs: known once the batch is valid
+        if global_batch is not None and not batch:
+            microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
+        out += step_problems(self, model, microbatches, flavour=0 if zero else self.zero)
+        out += entry.load().problems(self, model, microbatches)
+        return out + batch
+
+    def _degree_problems(self, entry, world_size: int) -> list[str]:
+        out = []
+        if not entry.axes and world_size != 1:
+            out.append(f"strategy {self.strategy!r} runs on one rank; use --nproc 1 (got {world_size})")
         elif self.tp > world_size:
             out.append(f"--tp {self.tp} needs at least {self.tp} ranks, but the run has {world_size} (--nproc)")
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
                        "make dp x tp x pp equal the number of ranks")
-        for axis in AXES:
-            if axis not in entry.axes and degrees[axis] > 1 and self.strategy != "single":
-                uses = " and ".join(entry.axes) or "nothing"
+        for axis in ("dp", "tp", "pp"):
+            if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
+                uses = " and ".join(entry.axes)
                 out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
-                           f"(got {degrees[axis]})")
-        if self.zero not in (0, 1, 2, 3):
-            out.append(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
-        elif entry.zero is not None and self.zero != entry.zero:
-            out.append(f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
-                       f"leave --zero out or use --strategy zero{self.zero}")
-        elif self.strategy == "3d" and self.zero > 1:
-            out.append(f"strategy '3d' composes ZeRO-1 only (the optimizer states sharded over each DP group): "
-                       f"use --zero 0 or 1, got --zero {self.zero}")
-        elif self.strategy == "3d" and self.zero == 1 and self.dp < 2:
-            out.append("--zero 1 shards the optimizer states over data-parallel ranks, but --dp is 1; "
-                       "use --zero 0 or --dp 2 or more")
-        elif self.zero and entry.zero is None and not entry.default_zero and self.strategy != "3d":
-            out.append(f"strategy {self.strategy!r} does not shard with ZeRO, so --zero {self.zero} would be ignored; "
-                       f"use --strategy zero{self.zero}, or leave --zero out")
-        elif self.strategy == "accelerate-fsdp" and self.zero == 1:
-            out.append("strategy 'accelerate-fsdp' has no ZeRO-1 (FSDP shards the gradients with the optimizer "
-                       "states): use --zero 3 (FULL_SHARD, the default), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD), "
-                       "or --strategy torch-zero1")
-        shards = entry.zero is not None or entry.default_zero > 0
-        if shards and self.dp < 2 and not out:  # (a grid mistake already says more)
-            out.append(f"strategy {self.strategy!r} shards over data-parallel ranks; on dp {self.dp} it would be a no-op "
-                       "(each rank owning everything is 'single'), so use --nproc 2 or more")
-        if self.ddp_mode not in DDP_MODES:
-            out.append(f"--ddp-mode must be one of {', '.join(DDP_MODES)}, got {self.ddp_mode!r}")
-        elif (entry.zero is not None or self.strategy == "3d" and self.zero) and self.ddp_mode != "bucketed":
-            out.append(f"strategy {self.strategy!r} reduce-scatters DDP's buckets, so --ddp-mode must be bucketed "
-                       f"(got {self.ddp_mode})")
-        if not self.bucket_mb > 0:
-            out.append(f"--bucket-mb must be > 0, got {self.bucket_mb:g}")
-        if self.strategy == "3d" and self.sequence_parallel:
-            out.append("strategy '3d' does not combine --sequence-parallel yet (activations between stages would "
-                       "hold s/T positions); leave it out, or use --strategy tp")
-        if self.schedule not in SCHEDULES:
-            out.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.chunks < 1 or (self.microbatches is not None and self.microbatches < 1):
-            out.append("--chunks and --microbatches must be >= 1")
-        elif self.chunks > 1 and self.schedule != "interleaved":
-            out.append(f"--chunks {self.chunks} needs --schedule interleaved (gpipe and 1f1b run one model chunk "
-                       "per stage)")
-        elif self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):
-            out.append(f"--schedule interleaved needs --pp 2 or more and --chunks 2 or more (got --pp {self.pp}, "
-                       f"--chunks {self.chunks}); with one chunk per stage use --schedule 1f1b")
-        if model is not None:
-            out += self._model_problems(model)
-        if global_batch is not None:
-            out += self._batch_problems(global_batch, micro_batch)
+                           f"(got {getattr(self, axis)})")
         return out
+
+    def _zero_problems(self, entry, grid_ok: bool) -> list[str]:
+        """--zero against what the name allows; and ZeRO needs ranks to shard over."""
+        if self.zero not in (0, 1, 2, 3):
+            return [f"--zero must be 0, 1, 2 or 3, got {self.zero}"]
+        if entry.zero == 0 and self.zero:
+            return [f"strategy {self.strategy!r} does not shard with ZeRO, so --zero {self.zero} would be ignored; "
+                    f"use --strategy zero{self.zero}, or leave --zero out"]
+        if entry.zero is not None and self.zero != entry.zero:
+            return [f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
+                    f"leave --zero out or use --strategy zero{self.zero}"]
+        if self.zero and self.dp < 2 and grid_ok:  # (a grid mistake already says more)
+            return [f"strategy {self.strategy!r} shards over data-parallel ranks; on dp {self.dp} it would be a no-op "
+                    "(each rank owning everything is 'single'), so use --dp 2 or more (--nproc 2 or more)"]
+        return []
 
     def check(self, world_size: int, model=None, global_batch: int | None = None,
               micro_batch: int | None = None) -> None:
@@ -153,21 +136,6 @@ class ParallelConfig:
 
     def _grid(self) -> str:
         return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}"
-
-    def _model_problems(self, model) -> list[str]:
-        out = []
-        for what, size in (("heads", model.heads), ("hidden size", model.hidden),
-                           ("padded vocabulary", model.padded_vocab)):
-            if size % self.tp:
-                out.append(f"--tp {self.tp} must divide the model's {what} ({size})")
-        stages = self.pp * self.chunks
-        if model.n_layers % stages:
-            more = " (each chunk needs at least one layer)" if stages > model.n_layers else ""
-            out.append(f"--pp {self.pp} x --chunks {self.chunks} = {stages} pipeline chunks must divide "
-                       f"the model's {model.n_layers} layers{more}")
-        if self.sequence_parallel and model.seq_len % self.tp:
-            out.append(f"--sequence-parallel needs --tp {self.tp} to divide the sequence length ({model.seq_len})")
-        return out
 
     def micro_batch_size(self, global_batch: int, micro_batch: int | None = None) -> int:
         """Sequences per forward/backward: --micro-batch, else each data-parallel rank's share of
@@ -194,11 +162,4 @@ class ParallelConfig:
                     "sequences each data-parallel rank gets per step; give only one of them"]
         if micro < 1 or share % micro:
             return divisible
-        m = share // micro  # micro-batches per step: what a pipeline schedule runs
-        if self.schedule == "interleaved" and self.pp > 1 and m % self.pp:
-            return [f"--schedule interleaved runs micro-batches in groups of --pp {self.pp}, but a step has {m}; "
-                    f"set --microbatches to a multiple of {self.pp}"]
-        if self.strategy == "torch-pp" and self.schedule != "gpipe" and m < self.pp:
-            return [f"torch's {self.schedule} schedule needs at least --pp {self.pp} micro-batches per step, "
-                    f"but a step has {m}; use --microbatches {self.pp} or more"]
         return []

@@ -14,8 +14,8 @@ the same optimizer step, as if one device had seen the whole batch.
 
 `DataParallel` is a library object, like torch's DDP: wrap any module for any process group
 (the world, or one DP group of a larger grid), call it, `loss.backward()`, then
-`finish_gradient_synchronization()`; `close()` removes its hooks. `DDPStrategy` plugs it into
-the training loop.
+`finish_gradient_synchronization()`; `close()` removes its hooks. `DataParallelStep` is the
+step of the composition (compose.py) that puts it on the model chunks.
 
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
 `param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import comm
-from .strategy import Strategy
+from .step import Step
 
 MODES = ("naive", "flat", "bucketed")
 
@@ -197,15 +197,20 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
+        self.mark_unused(out)
+        return out
+
+    def mark_unused(self, output: torch.Tensor) -> None:
+        """With find_unused_parameters, mark the parameters backward from `output` will not reach
+        as ready now (they travel as zeros): they get no hook call, and no rank may wait for a
+        bucket that cannot fill. `forward` calls it; call it on the output of a module you call
+        directly (the training loop calls the model, not the wrapper)."""
         if self.find_unused_parameters and self.sync and torch.is_grad_enabled():
-            # Parameters this rank's graph never reaches get no hook call: mark them ready now
-            # (they travel as zeros), so no rank waits for a bucket that cannot fill.
-            reached = parameters_in_graph(out)
+            reached = parameters_in_graph(output)
             for bucket in self.buckets:
                 for p in bucket.params:
                     if id(p) not in reached:
                         self._mark_ready(bucket, id(p))
-        return out
 
     @contextmanager
     def no_sync(self):
@@ -280,21 +285,49 @@ class DataParallel(torch.nn.Module):
         return False
 
 
-class DDPStrategy(Strategy):
-    """`--strategy ddp`: the loop's model is a DataParallel over this rank's DP group."""
+class DataParallelStep(Step):
+    """`--dp D` with --zero 0 (`--ddp-mode`, `--bucket-mb`, `--find-unused-parameters`): the model
+    chunks averaged over the mesh's DP group by one DataParallel. The chunks are called directly
+    (the pipeline's executor calls each one), so the wrapper only holds the gradient hooks. The
+    parameters other ranks also hold (`shared`: the tied matrix on two pipeline stages) get buckets
+    of their own, so that a flavour that shards buckets (ZeRO) cuts them alike on both stages."""
 
-    name = "ddp"
+    axis = "dp"
 
-    def parallelize(self, model):
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        out = []
+        if config.ddp_mode not in MODES:
+            out.append(f"--ddp-mode must be one of {', '.join(MODES)}, got {config.ddp_mode!r}")
+        if not config.bucket_mb > 0:
+            out.append(f"--bucket-mb must be > 0, got {config.bucket_mb:g}")
+        if config.find_unused_parameters and config.pp > 1:
+            out.append("--find-unused-parameters walks the graph from the model's output, which a pipeline stage "
+                       "does not see whole; use it with --pp 1")
+        return out
+
+    def apply(self, parts, shared):
+        self.wrapper = self.wrap(torch.nn.ModuleList(parts), shared)
+        self._hooks = [part.register_forward_hook(lambda _module, _args, out: self.wrapper.mark_unused(out))
+                       for part in parts] if self.config.find_unused_parameters else []
+        return parts
+
+    def wrap(self, module, shared) -> DataParallel:
         c = self.config
-        return DataParallel(model.to(self.rt.device), self.mesh.dp_group, mode=c.ddp_mode, bucket_mb=c.bucket_mb,
-                            find_unused_parameters=c.find_unused_parameters)
+        return DataParallel(module, self.group, mode=c.ddp_mode, bucket_mb=c.bucket_mb,
+                            find_unused_parameters=c.find_unused_parameters, own_bucket=shared)
 
-    def no_sync(self, model):
-        return model.no_sync()
+    def no_sync(self):
+        return self.wrapper.no_sync()
 
-    def finish_backward(self, model):
-        model.finish_gradient_synchronization()
+    def finish_backward(self):
+        self.wrapper.finish_gradient_synchronization()
 
-    def close(self, model):
-        model.close()
+    def reduce_loss(self, loss):
+        comm.all_reduce(loss, "avg", group=self.group)
+        return loss
+
+    def close(self):
+        for handle in self._hooks:
+            handle.remove()
+        self.wrapper.close()

@@ -28,15 +28,14 @@ counts that matrix once, on the first stage.
 from __future__ import annotations
 
 import copy
-import math
 from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 
 from .. import comm
-from ..estimate.schedules import model_chunk, peer, schedule
-from .strategy import Strategy, clip_grad_norm_
+from ..estimate.schedules import SCHEDULES, model_chunk, peer, schedule
+from .step import Step
 
 
 def chunk_layers(n_layers: int, stages: int, chunks: int = 1) -> list[range]:
@@ -64,52 +63,85 @@ def split_stage(model, stage: int, stages: int, chunks: int = 1) -> nn.ModuleLis
     return nn.ModuleList(parts)
 
 
-class PipelineParallel(Strategy):
-    """`--strategy pp --pp P [--schedule gpipe|1f1b|interleaved --chunks V] [--microbatches M]`.
+class PipelineSplit(Step):
+    """`--pp P [--schedule gpipe|1f1b|interleaved --chunks V] [--microbatches M]`: the first step.
 
-    The model this strategy returns is the stage's chunks (an `nn.ModuleList`); every stage reads
-    the same micro-batches (the first uses the tokens, the last the targets). `events` holds the
-    last step's actions on this stage as (start_s, end_s, op, microbatch, chunk), seconds from
-    the start of `forward_backward`, for a measured Gantt chart.
+    It turns the model into this stage's chunks; every stage reads the same micro-batches (the
+    first uses the tokens, the last the targets). `events` holds the last step's actions on this
+    stage as (start_s, end_s, op, microbatch, chunk), seconds from the start of `forward_backward`,
+    for a measured Gantt chart.
     """
 
-    name = "pp"
+    axis = "pp"
 
-    def __init__(self, rt, config=None):
-        super().__init__(rt, config)
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        out = []
+        if config.schedule not in SCHEDULES:
+            out.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+        if config.chunks < 1 or (config.microbatches is not None and config.microbatches < 1):
+            out.append("--chunks and --microbatches must be >= 1")
+        elif config.chunks > 1 and config.schedule != "interleaved":
+            out.append(f"--chunks {config.chunks} needs --schedule interleaved (gpipe and 1f1b run one model chunk "
+                       "per stage)")
+        elif config.schedule == "interleaved" and (config.chunks < 2 or config.pp < 2):
+            out.append(f"--schedule interleaved needs --pp 2 or more and --chunks 2 or more (got --pp {config.pp}, "
+                       f"--chunks {config.chunks}); with one chunk per stage use --schedule 1f1b")
+        stages = config.pp * config.chunks
+        if model is not None and model.n_layers % stages:
+            more = " (each chunk needs at least one layer)" if stages > model.n_layers else ""
+            out.append(f"--pp {config.pp} x --chunks {config.chunks} = {stages} pipeline chunks must divide "
+                       f"the model's {model.n_layers} layers{more}")
+        if microbatches is not None and config.schedule == "interleaved" and config.pp > 1 and microbatches % config.pp:
+            out.append(f"--schedule interleaved runs micro-batches in groups of --pp {config.pp}, but a step has "
+                       f"{microbatches}; set --microbatches to a multiple of {config.pp}")
+        return out
+
+    def __init__(self, mesh, config):
+        super().__init__(mesh, config)
         self.events: list[tuple[float, float, str, int, int]] = []
 
     # ------------------------------------------------------------ placement
 
-    def parallelize(self, model):
-        self._cfg, self._dtype = model.cfg, next(model.parameters()).dtype  # what travels between stages
-        model = split_stage(model.to(self.rt.device), self.mesh.pp_rank, self.config.pp, self.config.chunks)
-        tied = self._tied_weight(model)
-        if tied is not None:  # both copies start from the first stage's values
+    def apply(self, parts, shared):
+        (model,) = parts
+        p0 = next(model.parameters())
+        self.hidden, self.vocab, self.dtype, self.device = model.cfg.hidden, model.cfg.padded_vocab, p0.dtype, p0.device
+        self.parts = list(split_stage(model, self.mesh.pp_rank, self.config.pp, self.config.chunks))
+        if self.tied is not None:  # both copies start from the first stage's values
             with torch.no_grad():
-                comm.broadcast(tied, self.mesh.stage_rank(0), group=self.mesh.embedding_group)
-        return model
+                comm.broadcast(self.tied, self.mesh.stage_rank(0), group=self.mesh.embedding_group)
+        return self.parts
 
-    def _tied_weight(self, model):
-        """This rank's copy of the embedding / LM head matrix when the two are on different stages."""
-        if self.config.pp == 1:
-            return None  # one stage: the tie is the model's own shared Parameter
+    @property
+    def tied(self):
+        """This rank's copy of the embedding / LM head matrix (None on the middle stages). Looked up
+        each time: tensor parallelism replaces the layers that hold it."""
         if self.mesh.is_first_stage:
-            return model[0].tok_emb.weight
-        return model[-1].lm_head.weight if self.mesh.is_last_stage else None
+            return self.parts[0].tok_emb.weight
+        return self.parts[-1].lm_head.weight if self.mesh.is_last_stage else None
+
+    def shared_parameters(self):
+        """The tied embedding / LM head matrix: the first and the last stage each hold a copy."""
+        return [self.tied] if self.tied is not None else []
 
     # ------------------------------------------------------------ a step
 
-    def forward_backward(self, model, batches, autocast=None):
-        """Run this stage's actions of the schedule. Returns the mean loss of the micro-batches on
-        the last stage; the other stages compute no loss and return NaN (`reduce_loss` sends
-        every stage the last one's)."""
+    def actions(self, m: int) -> list:
+        """This stage's actions of the configured schedule for a step of m micro-batches."""
+        return schedule(self.config.schedule, self.config.pp, m, self.config.chunks)[self.mesh.pp_rank]
+
+    def forward_backward(self, parts, batches, actions, loss_fn, no_sync, autocast=None):
+        """Run this stage's `actions`. Returns the mean loss of the micro-batches on the last stage;
+        the other stages compute no loss and return NaN (`reduce_loss` sends every stage the last one's).
+        Every backward but each chunk's last runs under `no_sync()`: data parallelism communicates in
+        the last one only (Megatron-LM syncs the last micro-batch of each model chunk)."""
         p, v, m, s = self.config.pp, self.config.chunks, len(batches), self.mesh.pp_rank
         last = p * v - 1
         inputs, outputs, grads, pending, sent, losses = {}, {}, {}, [], [], []
         self.events = []
         start = comm.now()
-        for action in self.stage_actions(m):
+        for action in actions:
             began, key = comm.now(), (action.microbatch, action.chunk)
             k = model_chunk(s, action.chunk, p)
             x, y = batches[action.microbatch]
@@ -128,25 +160,20 @@ class PipelineParallel(Strategy):
                 sent += self._post(pending, m)  # before computing: a neighbour may be waiting for them
                 if action.op == "F":
                     with comm.phase("forward"), autocast or nullcontext():
-                        out = model[action.chunk](x if k == 0 else inputs[key])
+                        out = parts[action.chunk](x if k == 0 else inputs[key])
                         if k == last:
-                            loss = self.loss_fn(out, y)
+                            loss = loss_fn(out, y)
                             losses.append(loss.detach().float())
                             out = loss / m  # this micro-batch's share of the mean loss
                     outputs[key] = out
-                else:  # data parallelism syncs in each chunk's last backward only (`no_sync` before)
-                    with comm.phase("backward"), self.no_sync(model) if action.microbatch < m - 1 else nullcontext():
+                else:
+                    with comm.phase("backward"), no_sync() if action.microbatch < m - 1 else nullcontext():
                         torch.autograd.backward(outputs.pop(key), grads.pop(key, None))
             self.events.append((began - start, comm.now() - start, action.op, action.microbatch, action.chunk))
         sent += self._post(pending, m)
         for work, _ in sent:  # the tensors stay alive until their sends are done
             work.wait()
-        return torch.stack(losses).mean() if losses else self._no_loss()
-
-    def stage_actions(self, m: int) -> list:
-        """This stage's actions for a step of m micro-batches: the configured schedule's (notebook
-        05's exercise puts an attendee's own list here)."""
-        return schedule(self.config.schedule, self.config.pp, m, self.config.chunks)[self.mesh.pp_rank]
+        return torch.stack(losses).mean() if losses else self.no_loss()
 
     def _post(self, pending: list, m: int, receive=None) -> list:
         """Post the pending sends, and the receive that follows them if any, as one group; wait for
@@ -157,7 +184,7 @@ class PipelineParallel(Strategy):
         if receive is not None:
             action, buf = receive
             ops.append(("recv", buf, *self._channel(action, m)))
-        works = comm.batch_isend_irecv(ops, group=self.mesh.pp_group)
+        works = comm.batch_isend_irecv(ops, group=self.group)
         if receive is not None:
             works.pop().wait()
         sent = [(work, tensor) for work, (_, tensor) in zip(works, pending)]
@@ -176,75 +203,48 @@ class PipelineParallel(Strategy):
     def _hidden_buffer(self, tokens_shape):
         """Activations and their gradients are (micro-batch, sequence, hidden), in the parameters'
         dtype: TinyGPT's residual stream is not autocast (embeddings and residual sums stay fp32)."""
-        return torch.empty((*tokens_shape, self._cfg.hidden), dtype=self._dtype, device=self.rt.device)
+        return torch.empty((*tokens_shape, self.hidden), dtype=self.dtype, device=self.device)
 
-    def _no_loss(self):
-        return torch.tensor(float("nan"), device=self.rt.device)
+    def no_loss(self):
+        return torch.tensor(float("nan"), device=self.device)
 
-    def finish_backward(self, model):
+    def finish_backward(self):
         """Sum the tied matrix's two gradients: the embedding's (first stage) and the head's (last)."""
-        tied = self._tied_weight(model)
-        if tied is not None:
-            comm.all_reduce(tied.grad, "sum", group=self.mesh.embedding_group)
+        if self.tied is not None:
+            comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)
 
-    def clip_grad_norm_(self, model, max_norm):
-        """Squares summed over the pipeline, the tied matrix counted on the first stage only; then
-        every gradient scaled alike (both copies of the tied one, or they would drift apart)."""
-        tied = self._tied_weight(model) if self.mesh.is_last_stage else None
-        mine = [p for p in model.parameters() if p is not tied]
-        groups = (self.mesh.pp_group,) if self.config.pp > 1 else ()
-        norm = clip_grad_norm_(mine, math.inf, groups=groups, device=self.rt.device)
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, torch.tensor(norm), foreach=False)
-        return norm
+    def norm(self, counted, scaled):
+        """Squares summed over the pipeline, the tied matrix counted on the first stage only; every
+        gradient scaled alike (both copies of the tied one, or they would drift apart)."""
+        if self.mesh.is_last_stage and self.tied is not None:
+            counted = [p for p in counted if p is not self.tied]
+        return counted, scaled, self.group
 
     def reduce_loss(self, loss):
-        """The last stage's loss, broadcast to every stage of the pipeline, then averaged over DP."""
-        loss = loss.detach().double().reshape(1)
-        if self.config.pp > 1:
-            comm.broadcast(loss, self.mesh.stage_rank(self.config.pp - 1), group=self.mesh.pp_group)
-        return super().reduce_loss(loss)
+        """The last stage's loss, broadcast to every stage of the pipeline."""
+        comm.broadcast(loss, self.mesh.stage_rank(self.config.pp - 1), group=self.group)
+        return loss
 
     # ------------------------------------------------------------ around the steps
 
-    def _forward_only(self, model, idx):
+    def forward_only(self, parts, idx):
         """Forward through the model chunks in order, without a schedule: each waits for the one
         before. The last stage returns the output, the others None."""
         p, s = self.config.pp, self.mesh.pp_rank
         h = idx
-        for c, part in enumerate(model):
+        for c, part in enumerate(parts):
             k = model_chunk(s, c, p)
             if k > 0:
                 h = self._hidden_buffer(idx.shape)
-                comm.recv(h, self.mesh.stage_rank((s - 1) % p), group=self.mesh.pp_group)
+                comm.recv(h, self.mesh.stage_rank((s - 1) % p), group=self.group)
             h = part(h)
             if k < p * self.config.chunks - 1:
-                comm.send(h, self.mesh.stage_rank((s + 1) % p), group=self.mesh.pp_group)
+                comm.send(h, self.mesh.stage_rank((s + 1) % p), group=self.group)
         return h if self.mesh.is_last_stage else None
 
-    @torch.no_grad()
-    def evaluate_loss(self, model, x, y):
-        """The loss on the last stage, NaN on the others (`reduce_loss` follows)."""
-        logits = self._forward_only(model, x)
-        return self.loss_fn(logits, y) if logits is not None else self._no_loss()
-
-    def _last_stage_logits(self, model, idx):
-        """The full logits on the last stage, None on the others (3d gathers its vocabulary shards here)."""
-        return self._forward_only(model, idx)
-
-    @torch.no_grad()
-    def logits(self, model, idx):
-        """Full logits on every rank: the last stage's, broadcast over the pipeline."""
-        out = self._last_stage_logits(model, idx)
-        if self.config.pp > 1:
-            if out is None:
-                out = torch.empty((*idx.shape, self._cfg.padded_vocab), device=self.rt.device)
-            comm.broadcast(out, self.mesh.stage_rank(self.config.pp - 1), group=self.mesh.pp_group)
+    def broadcast_logits(self, out, idx):
+        """The last stage's full logits, sent to every stage of the pipeline."""
+        if out is None:
+            out = torch.empty((*idx.shape, self.vocab), device=self.device)
+        comm.broadcast(out, self.mesh.stage_rank(self.config.pp - 1), group=self.group)
         return out
-
-    def model_state(self, model):
-        """This stage's weights under the whole model's names (its chunks hold different layers)."""
-        return {name: t for part in model for name, t in part.state_dict().items()}
-
-    def load_model_state(self, model, state):
-        for part in model:
-            part.load_state_dict({name: state[name] for name in part.state_dict()})

@@ -3,78 +3,51 @@
 The loop in train.py is the same for every strategy (ARCHITECTURE.md, "The strategy
 interface"). A strategy
 
-1. places the model, in a fixed order: the pipeline split, then tensor parallel on each stage's
-   chunks, then data parallel / ZeRO (`parallelize`), and makes the optimizer for what this
-   rank holds;
+1. places the model (`parallelize`) and makes the optimizer for what this rank holds;
 2. runs a step's micro-batches forward and backward (`forward_backward`, which a pipeline
    schedule replaces) with the loss it supplies (`loss_fn`), then makes the gradients global
    (`finish_backward`), clips them by their true global norm (`clip_grad_norm_`) and turns this
    rank's loss into the step's loss, known on every rank (`reduce_loss`);
 3. evaluates, samples and checkpoints with every rank taking part.
 
-This base class is the single-device strategy; the others override what differs.
+This base class answers for one device. Our own parallelisms are all one strategy, `Parallel`
+(compose.py), which asks its composed steps; the references (torch's DDP, FSDP, TP, pipelining,
+Accelerate) are classes of their own that override what their library does differently.
 """
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
 
 from .. import comm
 from ..model import lm_loss
-from .config import ParallelConfig
+from .clip import clip_grad_norm_
 from .mesh import Mesh
-
-
-def clip_grad_norm_(params, max_norm: float, groups=(), device=None) -> float:
-    """Scale gradients so that their global L2 norm is at most `max_norm`; return the norm before.
-
-    `params` are the gradients this rank is responsible for, each counted on exactly one rank
-    of each group in `groups` (a shard of a sharded gradient, one TP rank's copy of a
-    replicated one); their squared norms are summed over those groups. With no groups the
-    norm is local, which is right when every rank holds the same, complete gradients (DDP
-    after its all-reduce). The sum is kept in float64 on `device` (NCCL reduces GPU tensors only).
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    device = device or (grads[0].device if grads else torch.device("cpu"))
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-    for group in groups:
-        comm.all_reduce(total, "sum", group=group)
-    norm = math.sqrt(total.item())
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1:
-        for g in grads:
-            g.mul_(scale)
-    return norm
-
-
-def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """The loop's optimizer: weight decay on matrices and embeddings, none on biases and LayerNorm (as in GPT-2)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=False)
+from .optim import adamw
 
 
 class Strategy:
     name = "single"
 
-    def __init__(self, rt, config: ParallelConfig | None = None):
-        self.rt = rt
-        self.config = config or ParallelConfig(strategy=self.name)
-        self.mesh = Mesh(self.config.dp, self.config.pp, self.config.tp, rank=rt.rank)
+    @classmethod
+    def problems(cls, config, model=None, microbatches: int | None = None) -> list[str]:
+        """What this strategy cannot do beyond what the configuration and the steps check (a
+        reference's own limits), one line per mistake."""
+        return []
+
+    def __init__(self, rt, config):
+        self.rt, self.config = rt, config
+        self.mesh = Mesh(config.dp, config.pp, config.tp, rank=rt.rank)
 
     # ------------------------------------------------------------ placement
 
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Put the model on this rank's device and cut it as the strategy says (TP -> PP -> DP)."""
+        """Put the model on this rank's device and split it as the strategy says."""
         return model.to(self.rt.device)
 
     def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float):
-        return adamw(model, lr, weight_decay)
+        return adamw(model.parameters(), lr, weight_decay)
 
     def data_rank(self) -> tuple[int, int]:
         """(index, count) of this rank among those that split the global batch: its DP coordinate."""
@@ -137,8 +110,8 @@ class Strategy:
     def model_state(self, model) -> dict:
         """This rank's part of the model's weights, as saved in its checkpoint file.
 
-        Wrappers (our DataParallel, torch's DDP) keep the model as `.module`; saving that keeps
-        the parameter names of the bare model, so any rank's file loads into `single`.
+        Wrappers (torch's DDP, Accelerate's) keep the model as `.module`; saving that keeps the
+        parameter names of the bare model, so any rank's file loads into `single`.
         """
         return getattr(model, "module", model).state_dict()
 

@@ -29,12 +29,11 @@ Each rank's LayerNorm (and row-parallel bias) then sees only its positions: thei
 are partial sums that must be all-reduced over the group (`allreduce_sequence_parallel_gradients`).
 
 `apply_tensor_parallel(model, group)` cuts a TinyGPT in place, slicing the dense weights, so a
-dense model and its parallel version start identical; `TensorParallel` is the `tp` strategy.
+dense model and its parallel version start identical; `TensorParallelStep` is the step of the
+composition (compose.py) that applies it to each model chunk.
 All communication goes through `comm`.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -42,17 +41,22 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import MLP, CausalSelfAttention
-from .strategy import Strategy, clip_grad_norm_
+from .step import Step
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 # ====================================================================== splitting and joining along a dimension
 
-def _shard(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _shard(t: torch.Tensor, dim: int, group, what: str = "the sequence") -> torch.Tensor:
     """This rank's contiguous 1/T of `t` along `dim`, a copy: a view (which `contiguous()` returns
-    for a cut along dim 0) would keep the whole dense tensor alive behind the shard."""
-    return t.chunk(comm.get_world_size(group), dim=dim)[comm.get_rank(group)].clone(memory_format=torch.contiguous_format)
+    for a cut along dim 0) would keep the whole dense tensor alive behind the shard. T must divide
+    the size: every rank finds its rows at rank x size / T, and the other layers assume it."""
+    n = comm.get_world_size(group)
+    if t.shape[dim] % n:
+        raise ValueError(f"{what} has {t.shape[dim]} rows to cut over {n} tensor-parallel ranks, which do not "
+                         f"divide it; pad it to a multiple of {n} or use a group size that divides it")
+    return t.chunk(n, dim=dim)[comm.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -182,8 +186,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, group))
-        self.bias = None if linear.bias is None else nn.Parameter(_shard(linear.bias.detach(), 0, group))
+        what = f"ColumnParallelLinear({linear.in_features}, {linear.out_features}): the output features"
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, group, what))
+        self.bias = None if linear.bias is None else nn.Parameter(_shard(linear.bias.detach(), 0, group, what))
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -199,7 +204,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, group))
+        what = f"RowParallelLinear({linear.in_features}, {linear.out_features}): the input features"
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, group, what))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x):
@@ -218,7 +224,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, group=None):
         super().__init__()
         self.group = group
-        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, group))
+        what = f"VocabParallelEmbedding({embedding.num_embeddings}, {embedding.embedding_dim}): the vocabulary"
+        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, group, what))
         self.vocab_start = comm.get_rank(group) * self.weight.shape[0]
 
     def forward(self, ids):
@@ -295,7 +302,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
     """Per-token cross-entropy (shape of `targets`, the same on every rank) from logits whose
-    last dimension is this rank's contiguous 1/T of the vocabulary."""
+    last dimension is this rank's contiguous 1/T of the vocabulary: equal shards, rank i's starting
+    at i x its width, as a `ColumnParallelLinear` head makes them (it refuses a vocabulary T does
+    not divide)."""
     vocab_start = comm.get_rank(group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), vocab_start,
                                             group).view_as(targets)
@@ -331,7 +340,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, *, sequence_parallel: bo
         model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel)
         if tied:
             model.lm_head.weight = model.tok_emb.weight
-        model.vocab_padding = _shard(model.vocab_padding, 0, group)
+        model.vocab_padding = _shard(model.vocab_padding, 0, group, "the logits' vocabulary padding")
     return model
 
 
@@ -376,38 +385,54 @@ def grad_norm_parameters(model: nn.Module, group=None) -> list[nn.Parameter]:
     return sharded + [p for p in model.parameters() if id(p) not in ids]
 
 
-# ====================================================================== the `tp` strategy
+# ====================================================================== the step of the composition
 
-class TensorParallel(Strategy):
-    """`--strategy tp --tp T [--sequence-parallel]`: the model cut over the mesh's TP group; every
-    rank of the group reads the same micro-batches. The loss is the vocab-parallel one; after
-    backward, sequence parallelism's partial gradients are summed; the norm counts each
-    gradient once over the group."""
+class TensorParallelStep(Step):
+    """`--tp T [--sequence-parallel]`: each model chunk cut over the mesh's TP group; every rank of
+    the group reads the same micro-batches. The loss is the vocab-parallel one; after backward,
+    sequence parallelism's partial gradients are summed; the norm counts each gradient once over
+    the group, and every rank scales all of them (or the replicas would drift apart)."""
 
-    name = "tp"
+    axis = "tp"
 
-    def parallelize(self, model):
-        return apply_tensor_parallel(model.to(self.rt.device), self.mesh.tp_group,
-                                     sequence_parallel=self.config.sequence_parallel)
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        out = []
+        if model is not None:
+            for what, size in (("heads", model.heads), ("hidden size", model.hidden),
+                               ("padded vocabulary", model.padded_vocab)):
+                if size % config.tp:
+                    out.append(f"--tp {config.tp} must divide the model's {what} ({size})")
+            if config.sequence_parallel and model.seq_len % config.tp:
+                out.append(f"--sequence-parallel needs --tp {config.tp} to divide the sequence length "
+                           f"({model.seq_len})")
+        if config.sequence_parallel and config.pp > 1:
+            out.append("--sequence-parallel does not combine with --pp yet (activations between stages would "
+                       "hold s/T positions); leave it out, or use --pp 1")
+        return out
 
-    def loss_fn(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group).mean()
+    def apply(self, parts, shared):
+        for part in parts:
+            apply_tensor_parallel(part, self.group, sequence_parallel=self.config.sequence_parallel)
+        self.parts = parts
+        return parts
 
-    def finish_backward(self, model):
-        allreduce_sequence_parallel_gradients(model, self.mesh.tp_group)
+    def loss(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
 
-    def clip_grad_norm_(self, model, max_norm):
-        """The norm counts each gradient once over the group; the scale applies to all of them,
-        the replicated ones on every rank too (or the replicas would drift apart)."""
-        norm = clip_grad_norm_(grad_norm_parameters(model, self.mesh.tp_group), math.inf,
-                               groups=(self.mesh.tp_group,), device=self.rt.device)
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, torch.tensor(norm), foreach=False)
-        return norm
+    def finish_backward(self):
+        for part in self.parts:
+            allreduce_sequence_parallel_gradients(part, self.group)
 
-    @torch.no_grad()
-    def logits(self, model, idx):
-        """Full logits on every rank. Sequence parallelism needs a length T divides: the prompt is
-        padded at its end, which causal attention never lets earlier positions see."""
-        t, pad = idx.shape[1], -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
-        out = model(F.pad(idx, (0, pad)))[:, :t]
-        return gather_vocabulary(out, self.mesh.tp_group)
+    def norm(self, counted, scaled):
+        mine = {id(p) for part in self.parts for p in grad_norm_parameters(part, self.group)}
+        return [p for p in counted if id(p) in mine], scaled, self.group
+
+    def sample_input(self, idx):
+        """Sequence parallelism needs a length T divides: the prompt is padded at its end, which
+        causal attention never lets earlier positions see."""
+        pad = -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
+        return F.pad(idx, (0, pad))
+
+    def full_logits(self, logits):
+        return gather_vocabulary(logits, self.group)

@@ -21,7 +21,6 @@ labsupport.comm: compare losses and times, not comm counts.
 """
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from .. import comm
-from .strategy import clip_grad_norm_
+from .clip import clip_grad_norm_
 from .torch_dtensor import LocalShardStrategy, local
 
 
@@ -88,10 +87,8 @@ class TorchTP(LocalShardStrategy):
         counted = [SimpleNamespace(grad=local(p.grad)) for p in sharded]
         whole = [SimpleNamespace(grad=p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in replicated]
         counted += whole if self.mesh.tp_rank == 0 else []
-        norm = clip_grad_norm_(counted, math.inf, groups=(self.mesh.tp_group,), device=self.rt.device)
         views = [SimpleNamespace(grad=local(p.grad)) for p in params]  # the gradients' own storage
-        torch.nn.utils.clip_grads_with_norm_(views, max_norm, torch.tensor(norm), foreach=False)
-        return norm
+        return clip_grad_norm_(counted, max_norm, (self.mesh.tp_group,), scaled=views, device=self.rt.device)
 
     @torch.no_grad()
     def logits(self, model, idx):

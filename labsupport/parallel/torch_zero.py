@@ -18,18 +18,17 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .optim import BETAS, decay_groups
 from .torch_ddp import TorchDDP
-from .zero import BETAS, decay_groups
 
 
 class TorchZeRO1(TorchDDP):
     name = "torch-zero1"
 
     def make_optimizer(self, model, lr, weight_decay):
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        groups = decay_groups({id(p): p.dim() for p in params}, weight_decay, params)
-        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
-                                            process_group=self.mesh.dp_group, lr=lr, betas=BETAS, foreach=False)
+        groups = decay_groups(model.module.parameters(), weight_decay)
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=self.mesh.dp_group,
+                                            lr=lr, betas=BETAS, foreach=False)
         optimizer.state = optimizer.optim.state  # the moments this rank holds (what memory counts)
         return optimizer
 

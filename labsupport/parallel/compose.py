@@ -1,0 +1,171 @@
+"""One composition for every parallelism: `parallelize(model, mesh, config)`, then one strategy object.
+
+As torchtitan's `parallelize_llama`, the ways of splitting training are short steps applied to the
+model one after the other, each on its own axis of the rank grid (mesh.py), always in this order:
+
+1. the pipeline split (`PipelineSplit`, pipeline.py, axis pp): this stage's model chunks. It comes
+   first because it copies the model, and a process group cannot be copied;
+2. tensor parallelism on each chunk (`TensorParallelStep`, tensor.py, axis tp), as torchtitan cuts
+   each pipeline part after the split;
+3. data parallelism over the DP axis, in one of its flavours: DDP's buckets (`DataParallelStep`,
+   ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets and sharded optimizer (`ZeROStep`,
+   zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
+
+A step whose degree is 1 is left out, so its group carries no traffic. The strategies `single`,
+`ddp`, `zero1`..`zero3`, `tp`, `pp` and `3d` are presets of this one composition (which degrees
+they may set, which ZeRO stage), not classes of their own (registry.py).
+
+What a step may do is the `Step` class (step.py): every hook's default does nothing, so a step
+overrides what its mechanism changes and nothing else, and no step knows another. `Parallel`,
+the strategy the training loop calls (strategy.py says what the loop asks), asks its steps in
+turn: the loss from the first step that has one (TP's is vocab-parallel); gradients finished in
+reverse order (DP's buckets are waited for before the pipeline sums the tied matrix's copies);
+the gradient norm from what each step says is counted elsewhere (clip.py). The micro-batches are
+run by the pipeline's executor when there is a pipeline, else by the plain loop.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+from .clip import clip_grad_norm_
+from .ddp import DataParallelStep
+from .fsdp import FullyShardStep
+from .optim import adamw
+from .pipeline import PipelineSplit
+from .step import Step
+from .strategy import Strategy
+from .tensor import TensorParallelStep
+from .zero import ZeROStep
+
+DATA_PARALLEL = {0: DataParallelStep, 1: ZeROStep, 2: ZeROStep, 3: FullyShardStep}  # --zero -> the DP flavour
+
+
+def steps_for(config) -> list[type]:
+    """The step classes of a configuration, in the order they apply."""
+    out = [PipelineSplit] if config.pp > 1 else []
+    out += [TensorParallelStep] if config.tp > 1 else []
+    if config.dp > 1 or config.zero:
+        out.append(DATA_PARALLEL[config.zero])
+    return out
+
+
+def step_problems(config, model=None, microbatches: int | None = None, flavour: int = 0) -> list[str]:
+    """Every step's objections to the configuration: each checks its own options, whether it
+    applies or not (a --schedule is wrong even where no pipeline runs it). `flavour`: the ZeRO
+    stage whose data-parallel step is asked (the configuration's, once it is known to be valid)."""
+    out = []
+    for step in (DATA_PARALLEL[flavour], PipelineSplit, TensorParallelStep):
+        out += step.problems(config, model, microbatches)
+    return out
+
+
+def parallelize(model: torch.nn.Module, mesh, config) -> tuple[list[torch.nn.Module], list[Step]]:
+    """This rank's model chunks, after every step of `config` in order, and the steps."""
+    steps = [cls(mesh, config) for cls in steps_for(config)]
+    parts = [model]
+    for i, step in enumerate(steps):
+        shared = [p for before in steps[:i] for p in before.shared_parameters()]  # as the model is now
+        parts = step.apply(parts, shared)
+    return parts, steps
+
+
+class Parallel(Strategy):
+    """The strategy of every preset: the loop's questions answered by the composed steps.
+
+    The model it returns is the one chunk itself without a pipeline, so `model(x)` is the forward
+    as on one device; with a pipeline, this stage's chunks as an `nn.ModuleList`.
+    """
+
+    def parallelize(self, model):
+        self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)
+        self.pipeline = next((s for s in self.steps if isinstance(s, PipelineSplit)), None)
+        return torch.nn.ModuleList(self.parts) if self.pipeline else self.parts[0]
+
+    def make_optimizer(self, model, lr, weight_decay):
+        for step in self.steps:
+            optimizer = step.make_optimizer(self.parts, lr, weight_decay)
+            if optimizer is not None:
+                return optimizer
+        return adamw(model.parameters(), lr, weight_decay)
+
+    def loss_fn(self, logits, targets):
+        for step in self.steps:
+            loss = step.loss(logits, targets)
+            if loss is not None:
+                return loss.mean()
+        return super().loss_fn(logits, targets)
+
+    def no_sync(self, model):
+        stack = ExitStack()
+        for step in self.steps:
+            stack.enter_context(step.no_sync())
+        return stack
+
+    def forward_backward(self, model, batches, autocast=None):
+        if self.pipeline:
+            return self.pipeline.forward_backward(self.parts, batches, self.stage_actions(len(batches)), self.loss_fn,
+                                                  lambda: self.no_sync(model), autocast)
+        return super().forward_backward(model, batches, autocast)
+
+    def stage_actions(self, m: int) -> list:
+        """This stage's actions for a step of m micro-batches (notebook 05's exercise puts an
+        attendee's own list here)."""
+        return self.pipeline.actions(m)
+
+    @property
+    def events(self) -> list:
+        """The pipeline's last step, action by action (a measured Gantt chart); none without one."""
+        return self.pipeline.events if self.pipeline else []
+
+    def finish_backward(self, model):
+        for step in reversed(self.steps):
+            step.finish_backward()
+
+    def clip_grad_norm_(self, model, max_norm):
+        counted = scaled = list(model.parameters())
+        groups = []
+        for step in self.steps:
+            counted, scaled, group = step.norm(counted, scaled)
+            if group is not None:
+                groups.append(group)
+        return clip_grad_norm_(counted, max_norm, groups, scaled, device=self.rt.device)
+
+    def reduce_loss(self, loss):
+        loss = loss.detach().double().reshape(1)
+        for step in self.steps:
+            loss = step.reduce_loss(loss)
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate_loss(self, model, x, y):
+        """This rank's mean loss on (x, y); with a pipeline, NaN on all but the last stage."""
+        logits = self.pipeline.forward_only(self.parts, x) if self.pipeline else model(x)
+        return self.loss_fn(logits, y) if logits is not None else self.pipeline.no_loss()
+
+    @torch.no_grad()
+    def logits(self, model, idx):
+        """The full logits for `idx` on every rank: each step undoes its split of them."""
+        t = idx.shape[1]
+        for step in self.steps:
+            idx = step.sample_input(idx)
+        out = self.pipeline.forward_only(self.parts, idx) if self.pipeline else model(idx)
+        if out is not None:
+            for step in reversed(self.steps):
+                out = step.full_logits(out)
+            out = out[:, :t]
+        return self.pipeline.broadcast_logits(out, idx[:, :t]) if self.pipeline else out
+
+    def model_state(self, model):
+        """This rank's weights under the whole model's names, copied (a shard is a view into a bigger
+        buffer, which saving would write whole)."""
+        return {name: t.clone() for part in self.parts for name, t in part.state_dict().items()}
+
+    def load_model_state(self, model, state):
+        for part in self.parts:
+            part.load_state_dict({name: state[name] for name in part.state_dict()})
+
+    def close(self, model):
+        for step in reversed(self.steps):
+            step.close()

@@ -1,0 +1,71 @@
+"""A step of the composition (compose.py): one way of splitting training, on one axis of the mesh.
+
+A new parallelism is a subclass in a file of its own that overrides the hooks its mechanism
+changes; every default below does nothing, so the step is invisible where it is not needed.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+
+class Step:
+    """One way of splitting training, on one axis of the mesh. Override what the mechanism changes."""
+
+    axis = ""  # the mesh axis it splits over: "pp", "tp" or "dp"
+
+    def __init__(self, mesh, config):
+        self.mesh, self.config = mesh, config
+        self.group = mesh.groups[self.axis]
+
+    @classmethod
+    def problems(cls, config, model=None, microbatches: int | None = None) -> list[str]:
+        """What the step needs of the configuration and of the model's shape (a ModelConfig), one
+        line per mistake; `microbatches` is the number a step runs, where the batch is known."""
+        return []
+
+    def apply(self, parts: list[torch.nn.Module], shared: list) -> list[torch.nn.Module]:
+        """Do the step to this rank's model chunks (one without a pipeline); return them. `shared`:
+        the parameters earlier steps said other ranks also hold (`shared_parameters`)."""
+        return parts
+
+    def shared_parameters(self) -> list:
+        """Parameters that ranks outside this step's group also hold and update alike (a tied matrix
+        on two pipeline stages): a later step that shards gradients must cut them the same way there."""
+        return []
+
+    def make_optimizer(self, parts, lr: float, weight_decay: float):
+        """The optimizer, where the step changes what it updates (ZeRO); None: the loop's AdamW."""
+        return None
+
+    def loss(self, logits, targets):
+        """Per-token loss, where the step holds the logits differently (TP: vocabulary shards)."""
+        return None
+
+    def no_sync(self):
+        """Context for backwards before a step's last: accumulate locally, communicate nothing."""
+        return ExitStack()
+
+    def finish_backward(self) -> None:
+        """After the last backward of a step: make this axis' gradients whole."""
+
+    def norm(self, counted: list, scaled: list):
+        """(counted, scaled, group): the gradients this rank counts in the global norm once this axis
+        is taken into account, those it scales, and the group to sum the squares over (None: none)."""
+        return counted, scaled, None
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss -> the mean over this axis (the same on every rank of it)."""
+        return loss
+
+    def sample_input(self, idx: torch.Tensor) -> torch.Tensor:
+        """Tokens to sample from, as this step needs them (sequence parallelism pads them)."""
+        return idx
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from what this rank computed."""
+        return logits
+
+    def close(self) -> None:
+        """Remove what the step put on the model (hooks)."""
