@@ -5,7 +5,7 @@ send first and wait for each other forever).
 
 The local checks use `labsupport.estimate`: the same action lists the executor runs, timed by the
 simulator and checked for deadlocks by `check_happens_before`. The check on ranks hands the
-attendee's lists to the real executor (`labsupport.parallel.pipeline.PipelineParallel`) in place
+attendee's lists to the real executor (`labsupport.parallel.pipeline.PipelineSplit`) in place
 of the library's schedule, and compares every gradient with the dense model's.
 """
 from __future__ import annotations
