@@ -7,11 +7,12 @@ model one after the other, each on its own axis of the rank grid (mesh.py), alwa
    first because it copies the model, and a process group cannot be copied;
 2. tensor parallelism on each chunk (`TensorParallelStep`, tensor.py, axis tp), as torchtitan cuts
    each pipeline part after the split;
-3. data parallelism over the DP axis, in one of its flavours: DDP's buckets (`DataParallelStep`,
-   ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets and sharded optimizer (`ZeROStep`,
-   zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
+3. data parallelism over the DP axis, in one of its flavours (`--zero` picks it): DDP's buckets
+   (`DataParallelStep`, ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets and sharded
+   optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
 
-A step whose degree is 1 is left out, so its group carries no traffic. The strategies `single`,
+`STEPS` below is that order. A step that does not apply (its degree is 1) is left out, so its
+group carries no traffic; a new parallelism is a step in a file of its own and a line in `STEPS`. The strategies `single`,
 `ddp`, `zero1`..`zero3`, `tp`, `pp` and `3d` are presets of this one composition (which degrees
 they may set, which ZeRO stage), not classes of their own (registry.py).
 
@@ -39,26 +40,18 @@ from .strategy import Strategy
 from .tensor import TensorParallelStep
 from .zero import ZeROStep
 
-DATA_PARALLEL = {0: DataParallelStep, 1: ZeROStep, 2: ZeROStep, 3: FullyShardStep}  # --zero -> the DP flavour
+STEPS = (PipelineSplit, TensorParallelStep, DataParallelStep, ZeROStep, FullyShardStep)  # in the order they apply
 
 
 def steps_for(config) -> list[type]:
-    """The step classes of a configuration, in the order they apply."""
-    out = [PipelineSplit] if config.pp > 1 else []
-    out += [TensorParallelStep] if config.tp > 1 else []
-    if config.dp > 1 or config.zero:
-        out.append(DATA_PARALLEL[config.zero])
-    return out
+    """The step classes of a configuration, in the order they apply (`Step.applies`)."""
+    return [step for step in STEPS if step.applies(config)]
 
 
-def step_problems(config, model=None, microbatches: int | None = None, flavour: int = 0) -> list[str]:
+def step_problems(config, model=None, microbatches: int | None = None) -> list[str]:
     """Every step's objections to the configuration: each checks its own options, whether it
-    applies or not (a --schedule is wrong even where no pipeline runs it). `flavour`: the ZeRO
-    stage whose data-parallel step is asked (the configuration's, once it is known to be valid)."""
-    out = []
-    for step in (DATA_PARALLEL[flavour], PipelineSplit, TensorParallelStep):
-        out += step.problems(config, model, microbatches)
-    return out
+    applies or not (a --schedule is wrong even where no pipeline runs it)."""
+    return [line for step in STEPS for line in step.problems(config, model, microbatches)]
 
 
 def parallelize(model: torch.nn.Module, mesh, config) -> tuple[list[torch.nn.Module], list[Step]]:

@@ -14,7 +14,7 @@ options are shared flags, so every strategy gets the steps' checks of them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .compose import step_problems
 from .mesh import AXES
@@ -93,7 +93,7 @@ class ParallelConfig:
         microbatches = None  # per step, what a pipeline schedule runs: known once the batch is valid
         if global_batch is not None and not batch:
             microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
-        out += step_problems(self, model, microbatches, flavour=0 if zero else self.zero)
+        out += step_problems(replace(self, zero=0) if zero else self, model, microbatches)  # a refused --zero: DDP's
         out += entry.load().problems(self, model, microbatches)
         return out + batch
 

@@ -293,9 +293,19 @@ class DataParallelStep(Step):
     of their own, so that a flavour that shards buckets (ZeRO) cuts them alike on both stages."""
 
     axis = "dp"
+    zero_stages = (0,)  # the --zero values this flavour is
+
+    @classmethod
+    def applies(cls, config):
+        return config.zero in cls.zero_stages and (config.dp > 1 or config.zero > 0)
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
+        return cls.bucket_problems(config) if config.zero in cls.zero_stages else []
+
+    @staticmethod
+    def bucket_problems(config) -> list[str]:
+        """The options of DDP's buckets, which ZeRO-1/2 use too."""
         out = []
         if config.ddp_mode not in MODES:
             out.append(f"--ddp-mode must be one of {', '.join(MODES)}, got {config.ddp_mode!r}")

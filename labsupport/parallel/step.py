@@ -20,6 +20,11 @@ class Step:
         self.group = mesh.groups[self.axis]
 
     @classmethod
+    def applies(cls, config) -> bool:
+        """Whether the composition of `config` has this step: by default, when its axis' degree is above 1."""
+        return getattr(config, cls.axis) > 1
+
+    @classmethod
     def problems(cls, config, model=None, microbatches: int | None = None) -> list[str]:
         """What the step needs of the configuration and of the model's shape (a ModelConfig), one
         line per mistake; `microbatches` is the number a step runs, where the batch is known."""

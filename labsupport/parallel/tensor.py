@@ -48,14 +48,14 @@ SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 # ====================================================================== splitting and joining along a dimension
 
-def _shard(t: torch.Tensor, dim: int, group, what: str = "the sequence") -> torch.Tensor:
+def _shard(t: torch.Tensor, dim: int, group, what: str = "the sequence positions") -> torch.Tensor:
     """This rank's contiguous 1/T of `t` along `dim`, a copy: a view (which `contiguous()` returns
     for a cut along dim 0) would keep the whole dense tensor alive behind the shard. T must divide
     the size: every rank finds its rows at rank x size / T, and the other layers assume it."""
     n = comm.get_world_size(group)
     if t.shape[dim] % n:
-        raise ValueError(f"{what} has {t.shape[dim]} rows to cut over {n} tensor-parallel ranks, which do not "
-                         f"divide it; pad it to a multiple of {n} or use a group size that divides it")
+        raise ValueError(f"{what}: {t.shape[dim]} do not split evenly over {n} tensor-parallel ranks; pad them to "
+                         f"a multiple of {n} or use a group size that divides {t.shape[dim]}")
     return t.chunk(n, dim=dim)[comm.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
@@ -186,7 +186,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        what = f"ColumnParallelLinear({linear.in_features}, {linear.out_features}): the output features"
+        what = f"ColumnParallelLinear({linear.in_features}, {linear.out_features}) output features"
         self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, group, what))
         self.bias = None if linear.bias is None else nn.Parameter(_shard(linear.bias.detach(), 0, group, what))
 
@@ -204,7 +204,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        what = f"RowParallelLinear({linear.in_features}, {linear.out_features}): the input features"
+        what = f"RowParallelLinear({linear.in_features}, {linear.out_features}) input features"
         self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, group, what))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
@@ -224,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, group=None):
         super().__init__()
         self.group = group
-        what = f"VocabParallelEmbedding({embedding.num_embeddings}, {embedding.embedding_dim}): the vocabulary"
+        what = f"VocabParallelEmbedding({embedding.num_embeddings}, {embedding.embedding_dim}) vocabulary rows"
         self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, group, what))
         self.vocab_start = comm.get_rank(group) * self.weight.shape[0]
 
@@ -340,7 +340,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, *, sequence_parallel: bo
         model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel)
         if tied:
             model.lm_head.weight = model.tok_emb.weight
-        model.vocab_padding = _shard(model.vocab_padding, 0, group, "the logits' vocabulary padding")
+        model.vocab_padding = _shard(model.vocab_padding, 0, group, "the logits' padded vocabulary entries")
     return model
 
 

@@ -224,9 +224,13 @@ class ZeROStep(DataParallelStep):
     as in DDP and are reduce-scattered once, in the last micro-batch's backward. The norm sums the
     squares of this rank's pieces over the DP group: each element is owned by one rank."""
 
+    zero_stages = (1, 2)
+
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
-        out = super().problems(config, model, microbatches)
+        if config.zero not in cls.zero_stages:
+            return []
+        out = cls.bucket_problems(config)
         if config.ddp_mode != "bucketed":
             out.append(f"ZeRO reduce-scatters DDP's buckets, so --ddp-mode must be bucketed (got {config.ddp_mode})")
         if config.zero == 2 and (config.tp > 1 or config.pp > 1):
