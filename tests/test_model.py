@@ -142,7 +142,7 @@ def test_generate_takes_any_logits_function_and_never_samples_padding():
 
 def test_a_preset_takes_the_corpus_vocabulary_and_tinygpt_builds_from_it():
     """The shapes are estimate/shapes.py's (no torch); a CPU preset gets the shipped corpus's vocabulary,
-    padded to 64 rows more than it needs at most, and TinyGPT allocates exactly the padded rows."""
+    which TinyGPT pads to a multiple of 64 rows."""
     from labsupport.data import Corpus
     from labsupport.estimate import shapes
 
