@@ -35,8 +35,7 @@ from .estimate.schedules import SCHEDULES
 from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, get_preset, preset_shape
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import TinyGPT, generate
-from .parallel import ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel.config import DDP_MODES
+from .parallel import DDP_MODES, ConfigError, ParallelConfig, make_strategy, strategy_names
 from .rundir import make_run_dir
 
 CHECKED_ENV = "LABSUPPORT_TRAIN_CONFIG"  # where run() hands its ranks the checked options, as JSON
