@@ -84,11 +84,15 @@ def cmd_launch(args) -> int:
 
 # ---------------------------------------------------------------- train
 
-def cmd_train(args, train_argv: list[str]) -> int:
-    from .train import build_parser as train_parser, run
-    options = vars(train_parser().parse_args(train_argv))
-    summary = run(nproc=args.nproc, timeout=args.timeout, ranks=args.ranks,
-                  out=sys.stderr if args.json else sys.stdout, **options)
+# What the `train` subcommand adds to labsupport.train's own flags: they drive the launch here.
+_LAUNCH_FLAGS = ("command", "nproc", "timeout", "ranks", "json")
+
+
+def cmd_train(args) -> int:
+    from .train import run_parsed
+    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in _LAUNCH_FLAGS})
+    summary = run_parsed(options, nproc=args.nproc, timeout=args.timeout, ranks=args.ranks,
+                         out=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -101,14 +105,11 @@ def cmd_train(args, train_argv: list[str]) -> int:
 # ---------------------------------------------------------------- memory
 
 def _model(args, alternative: str = ""):
-    """The model `memory` and `plan` size: --model PRESET, or the shape flags."""
-    from .model import ModelConfig, get_preset
+    """The model `memory` and `plan` size: --model PRESET (a CPU preset with --vocab, or the
+    shipped corpus's), or the shape flags."""
+    from .estimate.shapes import ModelConfig, preset_shape
     if args.model:
-        cfg = get_preset(args.model)
-        if cfg.vocab is None:  # a CPU preset: the vocabulary of the corpus it trains on
-            from .data import CharTokenizer, load_text
-            cfg = cfg.with_vocab(args.vocab or CharTokenizer.from_text(load_text()).vocab_size)
-        return cfg
+        return preset_shape(args.model, args.vocab)
     missing = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads", "vocab", "seq_len")
                if getattr(args, f) is None]
     if missing:
@@ -134,7 +135,7 @@ def cmd_memory(args) -> int:
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
                           recompute=args.recompute, bytes_override=override, n_params=args.params, offload=args.offload)
-    from .widgets.memory import format_bytes as gb
+    from .widgets.figure import format_bytes as gb
     recipe = "bytes given" if override else f"{args.precision} recipe"
     human = (f"{est['n_params']:,} parameters ({recipe}); per device: params {gb(est['params'])}, "
              f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
@@ -418,22 +419,6 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-# argv flags that belong to `labsupport train` itself, not to the ranks' `python -m labsupport.train`
-_TRAIN_ONLY = {"--nproc": 1, "--timeout": 1, "--ranks": 1, "--json": 0}
-
-
-def _train_argv(argv: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        flag = argv[i].split("=")[0]
-        if flag in _TRAIN_ONLY:
-            i += 1 + (_TRAIN_ONLY[flag] if "=" not in argv[i] else 0)
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_train=argv[:1] == ["train"])
@@ -444,7 +429,7 @@ def main(argv=None) -> int:
         if args.command == "launch":
             return cmd_launch(args)
         if args.command == "train":
-            return cmd_train(args, _train_argv(argv[1:]))
+            return cmd_train(args)
         if args.command == "memory":
             return cmd_memory(args)
         if args.command == "bench":

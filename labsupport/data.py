@@ -4,41 +4,17 @@ The one idea that matters for distributed training is in `BatchSampler`: the G s
 of optimizer step s depend only on (seed, s), never on the world size. Each of W ranks
 takes a contiguous G/W slice of that global batch, so a run on 1, 2 or 4 ranks sees the
 same data at every step and its losses can be compared with a single-process run.
+
+Reading the text and listing its characters are text.py's (no torch there), re-exported here.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
-
-
-class DataError(ValueError):
-    """A user-fixable problem with the data or the batch shape; the message is one line."""
-
-
-def load_text(path=None) -> str:
-    """Read a UTF-8 text file (default: the shipped corpus), failing with a message a user can act on."""
-    path = Path(path) if path is not None else DEFAULT_CORPUS
-    if path.is_dir():
-        raise DataError(f"{path} is a directory; pass the path of a UTF-8 text file")
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"corpus file {path} does not exist; check the path "
-                        f"(the shipped corpus is {DEFAULT_CORPUS})") from None
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}; check the file's permissions") from None
-    if not raw:
-        raise DataError(f"corpus file {path} is empty; pass a file that contains text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"corpus file {path} is not valid UTF-8 (bad byte at offset {e.start}); "
-                        "convert it to UTF-8 or pass another file") from None
+from .text import DEFAULT_CORPUS, DataError, load_text, vocabulary  # noqa: F401  (re-exported)
 
 
 class CharTokenizer:
@@ -50,7 +26,7 @@ class CharTokenizer:
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
-        return cls(sorted(set(text)))
+        return cls(vocabulary(text))
 
     @property
     def vocab_size(self) -> int:

@@ -11,12 +11,12 @@ Two halves live here, one on each side of torchrun:
   rank's exit code or traceback in the run directory, and can dump its Python stack on
   request so a hung rank can say where it is waiting.
 
-The launcher knows nothing about models: it runs any script or module.
+The launcher knows nothing about models: it runs any script or module. Run directories are
+rundir.py's, which both sides use (`make_run_dir` and `display_path` are re-exported here).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -29,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .rundir import RunDirError, display_path, make_run_dir
 
 DEFAULT_NOTEBOOK_TIMEOUT = 600
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
@@ -50,34 +52,7 @@ class LaunchTimeout(LaunchError):
     pass
 
 
-# ---------------------------------------------------------------- run directories
-
-def runs_root() -> Path:
-    """Where run directories go: $LABSUPPORT_RUNS, else ./runs (the Makefile points it at the repo's runs/)."""
-    return Path(os.environ.get("LABSUPPORT_RUNS") or "runs")
-
-
-def display_path(path) -> str:
-    """A path as messages show it: relative to the working directory when that is short (runs/...,
-    ../runs/... from a notebook), so stored notebook outputs carry no machine's absolute paths."""
-    relative = os.path.relpath(path)
-    return str(path) if relative.startswith(os.path.join("..", "..")) else relative
-
-
-def make_run_dir(run_dir=None, name: str = "run") -> Path:
-    if run_dir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        run_dir = runs_root() / f"{stamp}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
-    run_dir = Path(run_dir).resolve()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise LaunchError(f"cannot use run directory {run_dir}: {e.strerror}; pass a writable --run-dir") from None
-    return run_dir
-
+# ---------------------------------------------------------------- ports
 
 def free_port() -> int:
     """A port nobody listens on right now (the OS picks it), on the loopback interface."""
@@ -259,7 +234,10 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
         raise LaunchError(f"ranks must be 'all' or a comma-separated list like '0', got {ranks!r}")
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be > 0 seconds, got {timeout}")
-    run_dir = make_run_dir(run_dir, name or Path(script or module).stem)
+    try:
+        run_dir = make_run_dir(run_dir, name or Path(script or module).stem)
+    except RunDirError as e:
+        raise LaunchError(str(e)) from None
     out = out or sys.stdout
     shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
 
@@ -448,7 +426,10 @@ def torchrun_magic(line: str, cell: str, user_ns: dict | None = None) -> None:
         opts = _magic_parser().parse_args(shlex.split(line))
     except SystemExit:
         raise LaunchError(f"bad %%torchrun options {line!r}; usage: {_magic_parser().format_usage().strip()}") from None
-    run_dir = make_run_dir(None, opts.name)
+    try:
+        run_dir = make_run_dir(None, opts.name)
+    except RunDirError as e:
+        raise LaunchError(str(e)) from None
     script = run_dir / "cell.py"
     script.write_text(cell)
     result = launch(str(script), nproc=opts.nproc, timeout=opts.timeout, run_dir=run_dir,

@@ -1,4 +1,4 @@
-"""TinyGPT: a GPT-2-style decoder small enough to train on a laptop, and the named shapes.
+"""TinyGPT: a GPT-2-style decoder small enough to train on a laptop, built from a ModelConfig.
 
 The architecture follows GPT-2 (Radford et al., 2019): token + learned position embeddings,
 pre-LayerNorm blocks of causal self-attention and a GELU MLP (4x hidden), a final LayerNorm,
@@ -14,77 +14,19 @@ can cut it without rewriting it (ARCHITECTURE.md, "The model"):
   stage is this model with the other stages' parts removed, parameter names unchanged.
 * the vocabulary is padded to a multiple of 64 (divisible by any tensor-parallel degree up to
   64); the padded logits are -inf, so they never win and the mathematics is unchanged.
+
+The shapes (ModelConfig, the presets, the padding rule) are torch-free data in
+`estimate/shapes.py`, so that sizing a model never imports torch; they are re-exported here.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB_MULTIPLE = 64
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a model. `vocab=None` means 'take it from the tokenizer' (CPU presets)."""
-
-    name: str = "custom"
-    n_layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    vocab: int | None = None
-    seq_len: int = 64
-    bias: bool = True
-    dropout: float = 0.0
-
-    def __post_init__(self):
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if min(self.n_layers, self.hidden, self.heads, self.seq_len) < 1:
-            raise ValueError("n_layers, hidden, heads and seq_len must all be >= 1")
-
-    @property
-    def padded_vocab(self) -> int:
-        """Rows the embedding really has: the vocabulary rounded up to a multiple of 64."""
-        return -(-self.vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-    def with_vocab(self, vocab: int) -> "ModelConfig":
-        return replace(self, vocab=vocab)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-GPT2_VOCAB = 50257
-
-PRESETS: dict[str, ModelConfig] = {
-    # CPU presets: the notebooks and tests train these for real.
-    "nano": ModelConfig("nano", n_layers=2, hidden=64, heads=4, seq_len=64),
-    "micro": ModelConfig("micro", n_layers=4, hidden=128, heads=4, seq_len=128),
-    "mini": ModelConfig("mini", n_layers=6, hidden=256, heads=8, seq_len=256),
-    # GPT-2's released shapes (Radford et al., 2019, Table 2): context 1024, tied head, biases.
-    "gpt2": ModelConfig("gpt2", 12, 768, 12, GPT2_VOCAB, 1024),
-    "gpt2-medium": ModelConfig("gpt2-medium", 24, 1024, 16, GPT2_VOCAB, 1024),
-    "gpt2-large": ModelConfig("gpt2-large", 36, 1280, 20, GPT2_VOCAB, 1024),
-    "gpt2-xl": ModelConfig("gpt2-xl", 48, 1600, 25, GPT2_VOCAB, 1024),
-    # The workshop's configurations (analysis only: far too large to instantiate here).
-    "forge-s": ModelConfig("forge-s", 24, 2064, 24, GPT2_VOCAB, 2048),
-    "22b": ModelConfig("22b", 48, 6144, 48, GPT2_VOCAB, 2048),
-    "175b": ModelConfig("175b", 96, 12288, 96, GPT2_VOCAB, 2048),
-    "1t": ModelConfig("1t", 128, 25600, 128, GPT2_VOCAB, 2048),
-}
-CPU_PRESETS = ("nano", "micro", "mini")
-DEFAULT_PRESET = "micro"
-
-
-def get_preset(name: str) -> ModelConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, GPT2_VOCAB, PRESETS, ModelConfig, get_preset  # noqa: F401
 
 
 class CausalSelfAttention(nn.Module):

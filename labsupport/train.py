@@ -11,6 +11,11 @@ A step is the same five moves for every strategy (`train_step`): forward and bac
 the micro-batches, finish the gradients, clip them by their global norm, the optimizer step,
 and the step's loss. How each move is done is the strategy's business (ARCHITECTURE.md);
 memory, tracing, evaluation, sampling and checkpoints are separate functions around it.
+
+The options are checked once, before any process starts (`validate`): `run()` checks them in the
+launching process and hands the ranks what it checked, as JSON in LABSUPPORT_TRAIN_CONFIG; each
+rank loads that instead of parsing and checking again. Started without `run()` (a bare torchrun,
+a job script), each rank parses its command line and checks it itself.
 """
 from __future__ import annotations
 
@@ -20,19 +25,20 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
 from . import checkpoint, comm, runtime
-from .data import BatchSampler, CharTokenizer, Corpus, DataError, load_text, micro_batches
+from .data import BatchSampler, Corpus, DataError, load_text, micro_batches, vocabulary
 from .estimate.params import count_params
 from .estimate.schedules import SCHEDULES
-from .launch import make_run_dir
+from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, get_preset, preset_shape
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
-from .model import DEFAULT_PRESET, PRESETS, ModelConfig, TinyGPT, generate, get_preset
-from .parallel import ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel import DDP_MODES
+from .model import TinyGPT, generate
+from .parallel import DDP_MODES, ConfigError, ParallelConfig, make_strategy, strategy_names
+from .rundir import make_run_dir
+
+CHECKED_ENV = "LABSUPPORT_TRAIN_CONFIG"  # where run() hands its ranks the checked options, as JSON
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,11 +93,6 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
         find_unused_parameters=args.find_unused_parameters, prefetch=not args.no_prefetch)
 
 
-def model_config(args, vocab: int) -> ModelConfig:
-    preset = get_preset(args.model)
-    return replace(preset, vocab=vocab, seq_len=args.seq_len or preset.seq_len, dropout=args.dropout)
-
-
 def layout(config: ParallelConfig, world_size: int) -> dict:
     """What a checkpoint records about the run that wrote it, and a resume must match."""
     return {**config.layout(), "world_size": world_size}
@@ -109,12 +110,13 @@ def check_resume(checkpoint_dir, expected: dict) -> None:
                          f"this run is {say(expected)}; resume with the same layout or use a new --checkpoint-dir")
 
 
-def validate(args, world_size: int) -> ParallelConfig:
-    """Refuse bad arguments before any rank starts: one line per mistake (ConfigError) or one DataError."""
+def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
+    """Refuse bad arguments before any rank starts: one line per mistake (ConfigError) or one DataError.
+    Returns what the ranks build from: the model's shape and the parallel configuration."""
     cfg = get_preset(args.model)
     if cfg.vocab is not None:
         raise ValueError(f"preset {args.model!r} is an analysis shape ({cfg.n_layers} layers, hidden {cfg.hidden}); "
-                         f"train one of the CPU presets: nano, micro, mini")
+                         f"train one of the CPU presets: {', '.join(CPU_PRESETS)}")
     problems = []
     for name in ("steps", "global_batch"):
         if getattr(args, name) < 1:
@@ -131,12 +133,25 @@ def validate(args, world_size: int) -> ParallelConfig:
         problems.append("--dropout must be in [0, 1)")
     if problems:
         raise ConfigError(problems)
-    vocab = CharTokenizer.from_text(load_text(args.data)).vocab_size  # DataError for a bad file
+    vocab = len(vocabulary(load_text(args.data))) if args.data is not None else None  # DataError for a bad file
+    model = preset_shape(args.model, vocab, seq_len=args.seq_len, dropout=args.dropout)
     config = parallel_config(args, world_size)
-    config.check(world_size, model_config(args, vocab), args.global_batch, args.micro_batch)
+    config.check(world_size, model, args.global_batch, args.micro_batch)
     if args.resume:
         check_resume(args.checkpoint_dir, layout(config, world_size))
-    return config
+    return model, config
+
+
+def dump_checked(args, model: ModelConfig, config: ParallelConfig) -> str:
+    """What `validate` checked, as JSON: the options, the model's shape, the parallel configuration."""
+    return json.dumps({"options": vars(args), "model": model.to_dict(), "parallel": config.to_dict()})
+
+
+def load_checked(text: str) -> tuple[argparse.Namespace, ModelConfig, ParallelConfig]:
+    """`dump_checked`'s JSON back as (args, model, config), as a rank of `run()` receives them."""
+    checked = json.loads(text)
+    return (argparse.Namespace(**checked["options"]), ModelConfig(**checked["model"]),
+            ParallelConfig(**checked["parallel"]))
 
 
 def lr_at(step: int, args) -> float:
@@ -230,11 +245,14 @@ def write_trace(path, rank, step, events) -> None:
         json.dump({"rank": rank, "step": step, "events": events}, f)
 
 
-def train(args, rt) -> dict:
-    """Train on this rank; return what it measured (losses and norms are global, the same on every rank)."""
+def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | None = None) -> dict:
+    """Train on this rank; return what it measured (losses and norms are global, the same on every rank).
+
+    `cfg` and `config` are what `validate(args, ...)` returned; a caller in this process may leave
+    them out, and they are checked here."""
+    if cfg is None or config is None:
+        cfg, config = validate(args, rt.world_size)
     corpus = Corpus.load(args.data)
-    cfg = model_config(args, corpus.tokenizer.vocab_size)
-    config = parallel_config(args, rt.world_size)
     strategy = make_strategy(rt, config)
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
@@ -336,12 +354,17 @@ def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None
     `options` are the command-line flags as keywords: `run(strategy="ddp", nproc=2, steps=20)`.
     Arguments are checked here, before any process starts.
     """
+    return run_parsed(build_parser().parse_args(to_argv(**options)), nproc, timeout, ranks, out)
+
+
+def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None) -> dict:
+    """`run` with the options already parsed (`labsupport train` parses them with its own flags).
+    They are checked here, once; the ranks receive what was checked."""
     from .launch import launch
-    argv = to_argv(**options)
-    args = build_parser().parse_args(argv)
-    config = validate(args, nproc)
-    res = launch("-m", "labsupport.train", *argv, nproc=nproc, timeout=timeout, ranks=ranks, out=out,
-                 run_dir=args.run_dir, name=f"train-{args.strategy}")
+    model, config = validate(args, nproc)
+    res = launch("-m", "labsupport.train", nproc=nproc, timeout=timeout, ranks=ranks, out=out,
+                 run_dir=args.run_dir, name=f"train-{args.strategy}",
+                 env={CHECKED_ENV: dump_checked(args, model, config)})
     reports = [res.report(r) for r in range(nproc)]
     r0 = reports[0]
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
@@ -358,17 +381,20 @@ def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    info = runtime.detect()
-    try:
-        validate(args, info.world_size)
-    except (ValueError, DataError) as e:
-        if info.rank == 0:
-            for line in str(e).splitlines():
-                print(f"error: {line}", file=sys.stderr)
-        return 2
+    if CHECKED_ENV in os.environ:  # started by run(), which checked the options already
+        args, cfg, config = load_checked(os.environ[CHECKED_ENV])
+    else:
+        args = build_parser().parse_args(argv)
+        info = runtime.detect()
+        try:
+            cfg, config = validate(args, info.world_size)
+        except (ValueError, DataError) as e:
+            if info.rank == 0:
+                for line in str(e).splitlines():
+                    print(f"error: {line}", file=sys.stderr)
+            return 2
     with runtime.init(seed=args.seed) as rt:
-        result = train(args, rt)
+        result = train(args, rt, cfg, config)
         result.update(strategy=args.strategy, world_size=rt.world_size)
         runtime.report(**result)
         if rt.rank == 0 and "sample" in result:

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.textpath import TextPath  # noqa: E402
 
-from labsupport.widgets.show import DPI  # noqa: E402
+from labsupport.widgets.figure import DPI  # noqa: E402
 
 
 def rendered(fig):

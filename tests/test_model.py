@@ -138,3 +138,21 @@ def test_generate_takes_any_logits_function_and_never_samples_padding():
     assert out.shape == (1, 301) and out.max() < 57
     again = model.generate(torch.zeros(1, 1, dtype=torch.long), 300, 1.0, torch.Generator().manual_seed(0))
     assert torch.equal(out, again)
+
+
+def test_a_preset_takes_the_corpus_vocabulary_and_tinygpt_builds_from_it():
+    """The shapes are estimate/shapes.py's (no torch); a CPU preset gets the shipped corpus's vocabulary,
+    which TinyGPT pads to a multiple of 64 rows."""
+    from labsupport.data import Corpus
+    from labsupport.estimate import shapes
+
+    assert ModelConfig is shapes.ModelConfig and PRESETS is shapes.PRESETS
+    cfg = shapes.preset_shape("nano")
+    assert cfg == PRESETS["nano"].with_vocab(Corpus.load().tokenizer.vocab_size) == PRESETS["nano"].with_vocab(57)
+    assert cfg.padded_vocab == 64 and TinyGPT(cfg).tok_emb.weight.shape == (64, 64)
+    assert shapes.preset_shape("nano", 100, seq_len=16, dropout=0.1) == ModelConfig("nano", 2, 64, 4, 100, 16,
+                                                                                    dropout=0.1)
+    assert shapes.preset_shape("gpt2", 100) == PRESETS["gpt2"]  # an analysis shape keeps its own vocabulary
+    assert PRESETS["gpt2"].padded_vocab == 50_304
+    with pytest.raises(ValueError, match="unknown model preset 'gpt9'"):
+        shapes.preset_shape("gpt9")

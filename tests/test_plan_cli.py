@@ -1,5 +1,7 @@
 """`labsupport plan`: the ranked layouts as JSON (DESIGN.md 4), the explanation, --search, --emit, one-line mistakes."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -101,3 +103,27 @@ def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(caps
     elsewhere = plan_json(capsys, *WORKSHOP_175B[:4], "--machine", "dgx-a100", *WORKSHOP_175B[6:], "--emit", "megatron")
     assert elsewhere["environment"][-1] == "export CUDA_DEVICE_MAX_CONNECTIONS=1"
     assert "DS_BUILD" not in " ".join(elsewhere["environment"])
+
+
+NO_TORCH = """
+import contextlib, io, sys
+from labsupport.cli import main
+for argv in ({commands}):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv) == 0, argv
+import labsupport.estimate.published, labsupport.estimate.scaling, labsupport.estimate.tp_comm  # noqa: E401
+print(sorted(m for m in ("torch", "labsupport.model", "labsupport.data") if m in sys.modules))
+"""
+
+
+def test_memory_and_plan_run_without_torch():
+    """Sizing a model is arithmetic on torch-free shapes (estimate/shapes.py): `labsupport memory` and
+    `plan`, a CPU preset with the corpus's vocabulary included, never import torch or the model."""
+    commands = [["plan", *FRONTIER_175B, "--top", "3"], ["plan", *WORKSHOP_175B, "--emit", "megatron", "--json"],
+                ["plan", "--model", "mini", "--gpus", "8", "--machine", "dgx-h100"],
+                ["memory", "--model", "22b", "--tp", "8", "--pp", "2", "--json"], ["memory", "--model", "nano"],
+                ["memory", "--params", "7.5e9", "--dp", "8", "--zero", "2", "--offload", "--json"]]
+    code = NO_TORCH.format(commands=", ".join(map(repr, commands)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from labsupport import checkpoint
+from labsupport import checkpoint, train
 from labsupport.estimate.params import count_params
 from labsupport.model import PRESETS
 from labsupport.train import build_parser, lr_at
@@ -124,6 +124,25 @@ def test_resume_on_another_layout_is_refused_before_start(tmp_path):
     assert ("written by single on 1 rank(s) (dp 1, tp 1, pp 1, zero 0), this run is ddp on 2 rank(s) "
             "(dp 2, tp 1, pp 1, zero 0)") in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monkeypatch):
+    """run() checks the options once and hands the ranks the result (CHECKED_ENV): a rank neither
+    parses its command line nor validates nor builds the parallel configuration again."""
+    args = build_parser().parse_args([*NANO, "--steps", "2", "--sample-chars", "0", "--seq-len", "32"])
+    model, config = train.validate(args, 1)
+    checked = train.dump_checked(args, model, config)
+    assert train.load_checked(checked) == (args, model, config)
+
+    def refuse(*_, **__):
+        raise AssertionError("a rank of run() must not parse, validate or build the configuration again")
+    for name in ("build_parser", "validate", "parallel_config"):
+        monkeypatch.setattr(train, name, refuse)
+    monkeypatch.setenv(train.CHECKED_ENV, checked)
+    monkeypatch.setenv("LABSUPPORT_RUN_DIR", str(tmp_path))
+    assert train.main(["--strategy", "nope"]) == 0  # the command line is not read
+    report = json.loads((tmp_path / "report-rank0.jsonl").read_text().splitlines()[-1])
+    assert len(report["losses"]) == 2 and report["model"]["seq_len"] == 32 and report["parallel"] == config.to_dict()
 
 
 def test_train_parser_defaults_match_the_contract():

@@ -13,8 +13,9 @@ matplotlib.use("Agg")
 from figures import rendered, text_px, texts_cut_or_overlapping  # noqa: E402
 from labsupport.estimate.memory import estimate_memory, largest_model_that_fits  # noqa: E402
 from labsupport.estimate.params import count_params  # noqa: E402
-from labsupport.model import PRESETS, ModelConfig  # noqa: E402
+from labsupport.estimate.shapes import PRESETS, ModelConfig, corpus_vocab  # noqa: E402
 from labsupport.widgets import memory as wm  # noqa: E402
+from labsupport.widgets.figure import format_bytes  # noqa: E402
 
 WIDGETS = Path(wm.__file__).parent
 
@@ -28,7 +29,7 @@ def test_breakdown_is_estimate_memory():
         PRESETS["175b"], micro_batch=2, precision="fp32", tp=8, pp=12)
     # CPU presets have no vocabulary of their own: the shipped corpus's by default, or the one given
     assert wm.breakdown("micro", vocab=57) == estimate_memory(PRESETS["micro"].with_vocab(57))
-    assert wm.breakdown("nano")["n_params"] == estimate_memory(PRESETS["nano"].with_vocab(wm.corpus_vocab()))["n_params"]
+    assert wm.breakdown("nano")["n_params"] == estimate_memory(PRESETS["nano"].with_vocab(corpus_vocab()))["n_params"]
     assert wm.breakdown(wm.CUSTOM, n_params=7.5e9) == estimate_memory(n_params=7_500_000_000)
 
 
@@ -49,7 +50,7 @@ def test_widget_follows_its_controls():
 
     w.controls["model"].value = "micro"
     w.controls["gpu_memory_gb"].value = 16
-    assert w.estimate == estimate_memory(PRESETS["micro"].with_vocab(wm.corpus_vocab()), micro_batch=4,
+    assert w.estimate == estimate_memory(PRESETS["micro"].with_vocab(corpus_vocab()), micro_batch=4,
                                          precision="fp32")
     assert "fits on one 16 GB GPU" in w.text and "does not" not in w.text and "fits" in w.verdict.value
     assert w.controls["device"].value == wm.CUSTOM  # a size no named device has
@@ -134,10 +135,10 @@ def test_measured_vs_predicted_figure():
 
 
 def test_format_bytes():
-    assert wm.format_bytes(421_949_374_464) == "421.95 GB"
-    assert wm.format_bytes(16_700_001_402_880) == "16.70 TB"
-    assert wm.format_bytes(3_268_096) == "3.27 MB"
-    assert wm.format_bytes(512) == "512 B"
+    assert format_bytes(421_949_374_464) == "421.95 GB"
+    assert format_bytes(16_700_001_402_880) == "16.70 TB"
+    assert format_bytes(3_268_096) == "3.27 MB"
+    assert format_bytes(512) == "512 B"
 
 
 def test_widgets_import_no_torch_distributed():

@@ -11,7 +11,7 @@ from figures import rendered, text_px  # noqa: E402
 from labsupport.estimate.schedules import schedule  # noqa: E402
 from labsupport.estimate.simulator import simulate  # noqa: E402
 from labsupport.widgets import pipeline as wp  # noqa: E402
-from labsupport.widgets.show import figure_png  # noqa: E402
+from labsupport.widgets.figure import figure_png  # noqa: E402
 
 
 def stage_labels(ax):

@@ -1,4 +1,4 @@
-"""The rank-grid widget: Mesh's layout for Mesh's order; a bad order puts TP across nodes. No browser needed."""
+"""The rank-grid widget: its default order is grid.py's (Mesh's); a bad order puts TP across nodes. No browser needed."""
 import base64
 
 import matplotlib
@@ -6,7 +6,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from labsupport.parallel.mesh import Mesh, groups_along  # noqa: E402
+from labsupport.grid import coordinates, groups_along  # noqa: E402
 from labsupport.widgets import rank_grid as rg  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
 from figures import cut_off_controls, figure_defects  # noqa: E402
@@ -27,8 +27,7 @@ def outlined(fig) -> int:
 def test_the_default_order_is_meshs(dp, tp, pp):
     lay = rg.layout(dp, tp, pp, devices_per_node=4)
     for rank in range(dp * tp * pp):
-        mesh = Mesh(dp, pp, tp, rank=rank)
-        assert lay.coords[rank] == (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)
+        assert lay.coords[rank] == coordinates(rank, pp, tp)
         assert lay.node(rank) == rank // 4
     for axis in ("dp", "pp", "tp"):
         assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, dp, pp, tp)
@@ -102,12 +101,12 @@ def test_a_runs_counters_are_split_while_the_grid_is_theirs():
     w = rg.RankGridWidget(devices_per_node=2, traffic=summary)
     assert (w.controls["dp"].value, w.controls["tp"].value, w.controls["pp"].value) == (2, 2, 1)
     assert w.split == {"tp": {"inside": 4000, "across": 0}, "dp": {"inside": 0, "across": 400}}
-    assert "sends 4.4 kB on the wire; 400.0 B of it in groups that cross nodes (dp 400.0 B)." in w.text
+    assert "sends 4.40 kB on the wire; 400 B of it in groups that cross nodes (dp 400 B)." in w.text
     w.controls["order"].value = BAD_ORDER
     assert w.split == {"tp": {"inside": 0, "across": 4000}, "dp": {"inside": 400, "across": 0}}
     bytes_ax = w.figure().axes[1]
     assert [p.get_height() for p in bytes_ax.patches] == [0, 400, 4000, 0]  # inside bars, then across on top
-    assert bytes_ax.get_title() == "4.0 kB of 4.4 kB\ncross nodes"
+    assert bytes_ax.get_title() == "4.00 kB of 4.40 kB\ncross nodes"
     w.controls["pp"].value = 2
     assert w.split is None and len(w.figure().axes) == 1
     assert w.text.endswith("(The counters are of dp 2 x pp 1 x tp 2: set those back to see them.)")

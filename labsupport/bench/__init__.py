@@ -34,7 +34,7 @@ def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb:
                 dp: int, microbatches: int | None = None) -> None:
     """What every benchmark that races training steps (race.py) asks of its arguments; `dp` is the
     data-parallel degree its configurations split the global batch over."""
-    from ..model import get_preset
+    from ..estimate.shapes import get_preset
     if nproc < 2:
         raise ValueError(f"bench {name} needs --nproc 2 or more")
     if get_preset(model).vocab is not None:

@@ -30,13 +30,12 @@ def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10
           microbatches=None) -> None:
     """bench's common checks, then `labsupport train`'s for each configuration (stages dividing the
     layers, micro-batches dividing the batch and, for torch's 1F1B, at least one per stage)."""
-    from ..data import CharTokenizer, load_text
-    from ..model import get_preset
+    from ..estimate.shapes import preset_shape
     from . import check_steps
     check_steps("pp", nproc, model, global_batch, bucket_mb, repeats, dp=1, microbatches=microbatches)
     if bucket_sweep:
         raise ValueError("--bucket-sweep is for bench ddp")
-    cfg = get_preset(model).with_vocab(CharTokenizer.from_text(load_text(None)).vocab_size)
+    cfg = preset_shape(model)
     for config in configs(nproc, argparse.Namespace(microbatches=microbatches)).values():
         config.check(nproc, cfg, global_batch)
 

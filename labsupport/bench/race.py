@@ -21,14 +21,15 @@ def race(rt, configs: dict, model_name: str, global_batch: int, repeats: int) ->
 
     from .. import comm
     from ..data import BatchSampler, Corpus
+    from ..estimate.shapes import preset_shape
     from ..metrics import ActivationMeter
-    from ..model import TinyGPT, get_preset
+    from ..model import TinyGPT
     from ..parallel import make_strategy
     from ..train import MemoryPeaks, train_step
     from . import alternate, median
 
     corpus = Corpus.load()
-    cfg = get_preset(model_name).with_vocab(corpus.tokenizer.vocab_size)
+    cfg = preset_shape(model_name)  # the vocabulary of the shipped corpus, which Corpus.load() reads
     sampler = BatchSampler(corpus.train, cfg.seq_len, global_batch, seed=0)
     runners, memory = {}, {}
     for name, config in configs.items():

@@ -25,13 +25,12 @@ def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10
           microbatches=None) -> None:
     """bench's common checks, then the TP ones `labsupport train` makes (heads, hidden size and
     vocabulary divisible by nproc; with sequence parallelism, the sequence too), one line each."""
-    from ..data import CharTokenizer, load_text
-    from ..model import get_preset
+    from ..estimate.shapes import preset_shape
     from . import check_steps
     check_steps("tp", nproc, model, global_batch, bucket_mb, repeats, dp=1, microbatches=microbatches)
     if bucket_sweep:
         raise ValueError("--bucket-sweep is for bench ddp")
-    cfg = get_preset(model).with_vocab(CharTokenizer.from_text(load_text(None)).vocab_size)
+    cfg = preset_shape(model)
     configs(nproc)["tp+sp"].check(nproc, cfg, global_batch)  # the sequence-parallel one checks everything
 
 

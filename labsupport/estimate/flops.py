@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from .params import count_params
 
+# The MFU a well-tuned large training run reaches, end to end: an assumption, to turn a step's
+# FLOPs into the seconds a real run spends on it, everything that slows it included. Published
+# runs: GPT-3 21.3%, Gopher 32.5%, Megatron-Turing NLG 30.2%, PaLM 46.2% (Chowdhery et al. 2022,
+# Table 3). The comm counter (`tp_comm.step_cost`) and the offload check (`offload.offload_pays`)
+# set a transfer against such a step. The planner's EFFICIENCY (0.6, planner.py) is another
+# quantity: it builds a step's time up from its parts, so it prices the compute part at the rate
+# the matmuls alone reach, and adds communication and the bubble itself.
+TYPICAL_MFU = 0.4
+
 
 def model_flops_per_token(n_params: int, n_layers: int, heads: int, head_dim: int, seq_len: int) -> int:
     """Training FLOPs per token, forward and backward: 6N + 12 L H Q T.

@@ -29,6 +29,8 @@ precision (Ren et al., Sec 3.3). Offloading the parameters as well, or any state
 """
 from __future__ import annotations
 
+from .flops import TYPICAL_MFU
+
 # PCIe x16, one direction, GB/s (10^9 bytes): 8, 16 and 32 GT/s per lane, 128b/130b encoding.
 # An A100 reaches its host over PCIe 4.0 x16, an H100 over PCIe 5.0 x16 (SXM boards included).
 PCIE_GBPS = {"gen3": 15.75, "gen4": 31.5, "gen5": 63.0}
@@ -80,7 +82,7 @@ def pcie_seconds(n_bytes: int, gbps: float = PCIE_GBPS["gen4"]) -> float:
     return n_bytes / (gbps * 1e9)
 
 
-def offload_pays(pcie_bytes: int, step_flops: float, peak_flops: float, mfu: float = 0.4,
+def offload_pays(pcie_bytes: int, step_flops: float, peak_flops: float, mfu: float = TYPICAL_MFU,
                  pcie_gbps: float = PCIE_GBPS["gen4"]) -> dict:
     """Whether a step's offload traffic hides behind its compute: transfer time <= compute time.
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .shapes import ModelConfig
+
 SEQ_LEN, VOCAB = 2048, 51200
 
 
@@ -24,10 +26,8 @@ class Row(NamedTuple):
     batch: int
     tflops_per_gpu: float
 
-    def shape(self):
-        """The row's model as a ModelConfig (which lives beside TinyGPT, so it is imported on use:
-        this module, like all of estimate/, imports without torch)."""
-        from ..model import ModelConfig
+    def shape(self) -> ModelConfig:
+        """The row's model as a ModelConfig."""
         return ModelConfig(f"{self.billions}B", self.layers, self.hidden, self.heads, VOCAB, SEQ_LEN)
 
 

@@ -22,13 +22,17 @@ never the b s V logits. Per step, sequence parallelism adds one all-reduce of th
 and row-parallel bias gradients, and the gradient norm one float64.
 
 Sizes are `payload_bytes` as labsupport.comm counts them (for all-gather and reduce-scatter the
-full, unsharded buffer); `total` adds the wire bytes with nccl-tests' bus factors.
+full, unsharded buffer); `total` adds the wire bytes with nccl-tests' bus factors. `step_cost`
+prices one step's collectives on a machine (alpha-beta, ring) beside the step's compute.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .comm_cost import BUS_FACTOR
+from .comm_cost import BUS_FACTOR, collective_time
+from .flops import TYPICAL_MFU, training_flops_per_token
+from .machines import MACHINES, link
+from .shapes import preset_shape
 
 LOSS_BYTES = 4   # the loss reduces fp32 numbers whatever the compute dtype
 NORM_BYTES = 8   # the squared gradient norm is summed in float64
@@ -96,3 +100,39 @@ def total(phases: dict, tp: int) -> dict:
             out[op]["payload_bytes"] += c["payload_bytes"]
             out[op]["wire_bytes"] += int(round(BUS_FACTOR[op](tp) * c["payload_bytes"]))
     return {op: dict(c) for op, c in sorted(out.items())}
+
+
+def step_cost(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, sequence_parallel: bool = False,
+              micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
+              vocab: int | None = None) -> dict:
+    """One optimizer step of one rank of a TP group of `tp` devices on `machine`: what it sends and
+    what that costs beside its compute (the comm-counter widget shows this).
+
+    Returns a dict: `cfg` (the ModelConfig), `phases` ({phase: {op: calls, payload_bytes,
+    wire_bytes}}), `total` (the same summed per op, as labsupport.comm counts a step), `alpha_s`,
+    `gbps` and `crosses` (the link the ring's slowest hop uses, and whether that is the network),
+    `comm_s` (the ring's alpha-beta time, `comm_cost.collective_time`), `flops` (the step's training
+    FLOPs on this rank), `compute_s` (at flops.TYPICAL_MFU of the machine's bf16 peak, the pace of a
+    well-tuned run) and `ratio` = comm_s / compute_s. T = 1 has no group: nothing is sent.
+    `model` is a preset (a CPU preset gets `vocab`, default the shipped corpus's); `seq_len`
+    replaces its context.
+    """
+    cfg = preset_shape(model, vocab, seq_len=seq_len)
+    if cfg.heads % tp:
+        raise ValueError(f"{cfg.name} has {cfg.heads} heads: T must divide them, and {tp} does not")
+    alpha, gbps = link(machine, tp)  # refuses an unknown machine
+    m = MACHINES[machine]
+    step = {} if tp == 1 else tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, micro_batch, microbatches=microbatches,
+                                      sequence_parallel=sequence_parallel, bias=cfg.bias,
+                                      bytes_per_element=bytes_per_element)
+    phases = {phase: total({phase: ops}, tp) for phase, ops in step.items()}
+    per_op = total(step, tp)
+    # The alpha-beta time is linear in the bytes, so calls of different sizes cost what as many
+    # calls of their mean size cost.
+    comm_s = sum(c["calls"] * collective_time(op, "ring", c["payload_bytes"] / c["calls"], tp, alpha, 1 / (gbps * 1e9))
+                 for op, c in per_op.items())
+    flops = training_flops_per_token(cfg) * micro_batch * cfg.seq_len * microbatches / tp
+    compute_s = flops / (m.peak_tflops_bf16 * 1e12 * TYPICAL_MFU)
+    return {"cfg": cfg, "phases": phases, "total": per_op, "alpha_s": alpha, "gbps": gbps,
+            "crosses": tp > m.devices_per_node, "comm_s": comm_s, "flops": flops, "compute_s": compute_s,
+            "ratio": comm_s / compute_s}

@@ -16,31 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "tp")  # slowest to fastest
-
-
-def rank_of(d: int, p: int, t: int, pp: int, tp: int) -> int:
-    return (d * pp + p) * tp + t
-
-
-def coordinates(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
-    """(d, p, t) of `rank`: the inverse of rank_of."""
-    return rank // (pp * tp), rank // tp % pp, rank % tp
-
-
-def groups_along(axis: str, dp: int, pp: int, tp: int) -> list[list[int]]:
-    """Every group of one axis, each a list of ranks in order of that axis' coordinate."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
-    others = [a for a in AXES if a != axis]
-    out = []
-    for i in range(sizes[others[0]]):
-        for j in range(sizes[others[1]]):
-            members = []
-            for k in range(sizes[axis]):
-                c = {others[0]: i, others[1]: j, axis: k}
-                members.append(rank_of(c["dp"], c["pp"], c["tp"], pp, tp))
-            out.append(members)
-    return out
+from ..grid import AXES, coordinates, groups_along, rank_of
 
 
 @dataclass

@@ -14,10 +14,7 @@ holds "a1+b1+c1" has received rank 0's, rank 1's and rank 2's chunk 1 and added 
 are listed in rank order. The ring adds them in a different order on every chunk, which is why a
 ring all-reduce of floating-point numbers can differ in the last bits from a tree all-reduce.
 
-Figures are built with `matplotlib.figure.Figure`, not pyplot, so redrawing the widget never
-piles up open figures, and a figure returned by a notebook cell is shown once. They carry their
-own PNG representation, so they show in a notebook even when nothing imported pyplot (which is
-what registers matplotlib's display hook with IPython).
+The figures are figure.py's `NotebookFigure`s (not pyplot's), which show themselves in a notebook.
 """
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path
 
-from .show import figure_png, notebook_figure_class
+from .figure import NotebookFigure, figure_png
 from ..estimate.collective_steps import COLLECTIVES, Transfer, initial_state, schedule, simulate
 
 ROOTED = ("broadcast", "reduce", "scatter", "gather")  # the collectives where `root` matters
@@ -300,9 +297,6 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
     fig.text(0.01, 0.005, _legend_text(walk), fontsize=7, color="#555555", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     return fig
-
-
-NotebookFigure = notebook_figure_class()
 
 
 # ---------------------------------------------------------------- the widget

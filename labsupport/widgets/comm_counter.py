@@ -1,19 +1,18 @@
 """What tensor parallelism sends in one optimizer step, and what that costs on a real machine:
 the comm-counter widget and its static figure.
 
-Every number comes from `labsupport.estimate`: the collectives from `tp_comm.tp_comm` and
-`tp_comm.total`, their time from `comm_cost.collective_time` (ring algorithm) over the link that
-`machines.link` picks for a group of T devices, the compute from `flops.training_flops_per_token`.
-This module only chooses the inputs, formats the outputs and draws them:
+Every number comes from `labsupport.estimate.tp_comm.step_cost` (here also by notebook 04's name
+for it, `predict`): the collectives from `tp_comm.tp_comm` and `tp_comm.total`, their time from
+`comm_cost.collective_time` (ring algorithm) over the link that `machines.link` picks for a group
+of T devices, the compute from `flops.training_flops_per_token` at `flops.TYPICAL_MFU`. This module
+only chooses the inputs, formats the outputs and draws them:
 
-    predict(...)              one step's collectives per phase and op, their alpha-beta time on a
-                              machine beside the step's compute time, and the ratio (a dict)
     comm_figure(...)          the same as a static Figure: wire bytes per op and phase; the two times
     scaling_figure(ratios)    communication / compute against T, one line per machine, the node
                               boundary marked: why T stays inside a node
     from_run(summary)         the settings of a `labsupport.train.run(...)` result and what its rank 0
                               counted, so that a real run can be drawn beside its prediction
-    CommCounterWidget(...)    controls -> predict(...) -> readout, table, figure; .figure() is the
+    CommCounterWidget(...)    controls -> step_cost(...) -> readout, table, figure; .figure() is the
                               static stand-in for show(w, w.figure())
 """
 from __future__ import annotations
@@ -21,16 +20,16 @@ from __future__ import annotations
 import html
 
 from matplotlib.patches import Patch
-from matplotlib.ticker import EngFormatter, NullFormatter
+from matplotlib.ticker import NullFormatter
 
-from .collectives import NotebookFigure
-from .memory import MFU, format_bytes, model_shape, preset_label
-from .show import figure_png
-from ..estimate.comm_cost import collective_time
-from ..estimate.flops import training_flops_per_token
-from ..estimate.machines import MACHINES, link
-from ..estimate.tp_comm import total, tp_comm
-from ..model import PRESETS
+from .figure import NotebookFigure, bytes_axis, figure_png, format_bytes
+from .memory import preset_label
+from ..estimate.flops import TYPICAL_MFU
+from ..estimate.machines import MACHINES
+from ..estimate.shapes import PRESETS, preset_shape
+from ..estimate.tp_comm import step_cost
+
+predict = step_cost  # notebook 04's name for it
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
 BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype
@@ -55,41 +54,8 @@ def format_time(seconds: float) -> str:
     return f"{seconds / 1e-6:.3g} us"
 
 
-def predict(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, sequence_parallel: bool = False,
-            micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
-            vocab: int | None = None) -> dict:
-    """One optimizer step of one rank of a TP group of `tp` devices on `machine`.
-
-    Returns a dict: `cfg` (the ModelConfig), `phases` ({phase: {op: calls, payload_bytes,
-    wire_bytes}}), `total` (the same summed per op, as labsupport.comm counts a step), `alpha_s`,
-    `gbps` and `crosses` (the link the ring's slowest hop uses, and whether that is the network),
-    `comm_s`, `flops` (the step's training FLOPs on this rank), `compute_s` (at MFU of the
-    machine's bf16 peak) and `ratio` = comm_s / compute_s. T = 1 has no group: nothing is sent.
-    CPU presets get `vocab` (default: the shipped corpus's); `seq_len` replaces a preset's context.
-    """
-    cfg = model_shape(model, vocab, seq_len)
-    if cfg.heads % tp:
-        raise ValueError(f"{cfg.name} has {cfg.heads} heads: T must divide them, and {tp} does not")
-    alpha, gbps = link(machine, tp)  # refuses an unknown machine
-    m = MACHINES[machine]
-    step = {} if tp == 1 else tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, micro_batch, microbatches=microbatches,
-                                      sequence_parallel=sequence_parallel, bias=cfg.bias,
-                                      bytes_per_element=bytes_per_element)
-    phases = {phase: total({phase: ops}, tp) for phase, ops in step.items()}
-    per_op = total(step, tp)
-    # The alpha-beta time is linear in the bytes, so calls of different sizes cost what as many
-    # calls of their mean size cost.
-    comm_s = sum(c["calls"] * collective_time(op, "ring", c["payload_bytes"] / c["calls"], tp, alpha, 1 / (gbps * 1e9))
-                 for op, c in per_op.items())
-    flops = training_flops_per_token(cfg) * micro_batch * cfg.seq_len * microbatches / tp
-    compute_s = flops / (m.peak_tflops_bf16 * 1e12 * MFU)
-    return {"cfg": cfg, "phases": phases, "total": per_op, "alpha_s": alpha, "gbps": gbps,
-            "crosses": tp > m.devices_per_node, "comm_s": comm_s, "flops": flops, "compute_s": compute_s,
-            "ratio": comm_s / compute_s}
-
-
 def from_run(summary: dict) -> tuple[dict, dict]:
-    """(`predict`'s keywords for a run, what its rank 0 counted in its last step: {op: calls,
+    """(`step_cost`'s keywords for a run, what its rank 0 counted in its last step: {op: calls,
     payload_bytes, wire_bytes}) from a `labsupport.train.run(...)` result or `labsupport train --json`.
     The counts are the run's TP group's (`comm_groups`), so data-parallel traffic stays out."""
     shape, parallel = summary["model"], summary["parallel"]
@@ -130,7 +96,7 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
                width, color="white", edgecolor="gray", hatch="//")
         handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="counted in the run"))
     ax.set_xticks(range(len(ops)), ops)
-    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    bytes_axis(ax.yaxis)
     ax.set_ylabel("wire bytes per rank and step")
     if ops:
         fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=8)
@@ -140,7 +106,7 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
 
     seconds = [pred["comm_s"], pred["compute_s"]]
     times.barh([1, 0], seconds, color=["#C44E52" if pred["crosses"] else "#DD8452", "#4C72B0"])
-    times.set_yticks([1, 0], ["TP communication", f"compute ({MFU:.0%} MFU)"])
+    times.set_yticks([1, 0], ["TP communication", f"compute ({TYPICAL_MFU:.0%} MFU)"])
     for y, s in zip([1, 0], seconds):
         times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     times.set_xlim(0, max(seconds) * 1.3)
@@ -155,8 +121,8 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
 def comm_figure(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, counted: dict | None = None,
                 title: str | None = None, **options):
     """A static Figure of one step's TP traffic and its cost: `comm_figure("22b", 16, "Frontier (MI250X GCD)")`.
-    Other keywords are `predict`'s; `counted` ({op: calls, payload_bytes, wire_bytes}) is drawn beside."""
-    pred = predict(model, tp, machine, **options)
+    Other keywords are `step_cost`'s; `counted` ({op: calls, payload_bytes, wire_bytes}) is drawn beside."""
+    pred = step_cost(model, tp, machine, **options)
     return _figure(pred, machine, counted, title or _title(model, tp, options.get("sequence_parallel", False)))
 
 
@@ -193,7 +159,7 @@ class CommCounterWidget:
     shows one step's tensor-parallel collectives (table and bars) and their time beside the compute.
 
     `CommCounterWidget("22b", tp=8)` in a notebook cell displays it. Its state is inspectable
-    without a browser: set `w.controls["tp"].value = 16` and `w.prediction` (predict's dict),
+    without a browser: set `w.controls["tp"].value = 16` and `w.prediction` (step_cost's dict),
     `w.text`, `w.readout.value`, `w.table.value` and `w.png` follow. `measured=` takes a
     `labsupport.train.run(...)` result: the controls start at its settings (`machine` aside) and
     its counts appear beside the prediction whenever the controls match them again; a bare
@@ -211,7 +177,7 @@ class CommCounterWidget:
         if measured is not None and "comm_groups" in measured:
             settings, self.counted = from_run(measured)
         self.vocab = settings["vocab"]
-        cfg = model_shape(settings["model"], self.vocab, settings["seq_len"])
+        cfg = preset_shape(settings["model"], self.vocab, seq_len=settings["seq_len"])
         settings["seq_len"] = cfg.seq_len
         if settings["tp"] not in tp_choices(cfg.heads):
             raise ValueError(f"T = {settings['tp']} is not offered for {cfg.name} ({cfg.heads} heads): choose one "
@@ -257,7 +223,7 @@ class CommCounterWidget:
 
     def _model_changed(self, change):
         """A preset brings its own context, and T must divide its heads: keep the largest T that does."""
-        cfg = model_shape(change["new"], self.vocab)
+        cfg = preset_shape(change["new"], self.vocab)
         tp = self.controls["tp"]
         keep = tp.value
         self._holding = True
@@ -273,7 +239,7 @@ class CommCounterWidget:
             self.update()
 
     def options(self) -> dict:
-        """The current control values as keywords of `predict`."""
+        """The current control values as keywords of `step_cost`."""
         return dict({name: control.value for name, control in self.controls.items()}, vocab=self.vocab)
 
     def matches_run(self) -> bool:
@@ -284,10 +250,10 @@ class CommCounterWidget:
     def update(self) -> dict:
         """Recompute from the controls; refresh readout, table, text and picture. Returns the prediction."""
         o = self.options()
-        pred = self.prediction = predict(**o)
+        pred = self.prediction = step_cost(**o)
         m = MACHINES[o["machine"]]
         tp = o["tp"]
-        compute = (f"compute {format_time(pred['compute_s'])} ({pred['flops']:.3g} FLOPs per rank at {MFU:.0%} "
+        compute = (f"compute {format_time(pred['compute_s'])} ({pred['flops']:.3g} FLOPs per rank at {TYPICAL_MFU:.0%} "
                    f"of {m.peak_tflops_bf16:g} TFLOP/s bf16)")
         if tp == 1:
             self.text = f"T = 1: one device holds every layer and tensor parallelism sends nothing; {compute}."

@@ -1,8 +1,8 @@
 """Where the memory of a training step goes: the memory-breakdown widget and its static figures.
 
 Every number here comes from `labsupport.estimate` (`memory.estimate_memory`, the function behind
-`labsupport memory`, `memory.largest_model_that_fits`, `offload.offload_pays`); this module only
-chooses the inputs, formats the outputs and draws them:
+`labsupport memory`, `memory.largest_model_that_fits`, `offload.offload_pays`) and every shape from
+`estimate.shapes`; this module only chooses the inputs, formats the outputs and draws them:
 
     MemoryWidget(...)                 controls -> estimate_memory(...) -> verdict, readout, and a figure:
                                       its stacked bar, or with parallel=True the layout at ZeRO stages 0-3,
@@ -17,15 +17,16 @@ in pyplot's list of open figures and are shown exactly once when a notebook cell
 """
 from __future__ import annotations
 
-import functools
 import html
-from dataclasses import replace
 
-from .show import figure_png
-from ..estimate.flops import peak_tflops, training_flops_per_token
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from .figure import BYTE_UNITS, figure_png, format_bytes
+from ..estimate.flops import TYPICAL_MFU, peak_tflops, training_flops_per_token
 from ..estimate.memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, largest_model_that_fits, recipe_label
 from ..estimate.offload import DEVICE_HOST_LINK, HOST_LINK_GBPS, offload_pays
-from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
+from ..estimate.shapes import CPU_PRESETS, PRESETS, ModelConfig, preset_shape
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
@@ -38,14 +39,6 @@ ZERO_STAGES = {0: "baseline", 1: "$P_{os}$", 2: "$P_{os+g}$", 3: "$P_{os+g+p}$"}
 # Memory per device as marketed, in GB of 10^9 bytes: slightly conservative, the parts hold
 # 80 GiB (85.9e9 bytes) and 64 GiB. An MI250X module is two GCDs, each its own device.
 DEVICES = {"A100 80 GB": 80, "H100 80 GB": 80, "MI250X GCD 64 GB": 64}
-MFU = 0.4  # the share of peak FLOP/s a well-tuned large run reaches, to price a step's compute
-
-
-@functools.lru_cache(maxsize=None)
-def corpus_vocab() -> int:
-    """Vocabulary of the shipped corpus's character tokenizer: what the CPU presets train with."""
-    from ..data import CharTokenizer, load_text
-    return CharTokenizer.from_text(load_text()).vocab_size
 
 
 def preset_label(name: str) -> str:
@@ -63,10 +56,7 @@ def model_shape(model: str, vocab: int | None = None, seq_len: int | None = None
         if None in (layers, hidden, heads, vocab, seq_len):
             raise ValueError("a custom shape needs layers, hidden, heads, vocab and seq_len")
         return ModelConfig(SHAPE, layers, hidden, heads, vocab, seq_len)
-    cfg = get_preset(model)
-    if cfg.vocab is None:
-        cfg = cfg.with_vocab(vocab if vocab is not None else corpus_vocab())
-    return cfg if seq_len is None else replace(cfg, seq_len=seq_len)
+    return preset_shape(model, vocab, seq_len=seq_len)
 
 
 def split_options(model: str | None = "22b", *, n_params: float | None = None, **options) -> tuple:
@@ -91,14 +81,6 @@ def breakdown(model: str | None = "22b", **options) -> dict:
     return estimate_memory(cfg, n_params=n_params, **options)
 
 
-def format_bytes(n: float) -> str:
-    """1234567890 -> '1.23 GB'; small values in MB or kB so a CPU model does not read as 0.00 GB."""
-    for unit, scale in (("TB", 10**12), ("GB", GB), ("MB", 10**6), ("kB", 10**3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def describe(est: dict, gpu_memory_gb: float | None = None) -> str:
     """One paragraph of plain text: the bytes per device by category, the total, and whether it fits."""
     parts = ", ".join(f"{LABELS[k]} {format_bytes(est[k])}" for k in CATEGORIES)
@@ -118,10 +100,8 @@ def verdict(est: dict, gpu_memory_gb: float, device: str | None = None) -> str:
 
 
 def _unit(largest: float) -> tuple[str, float]:
-    for unit, scale in (("TB", 10**12), ("GB", GB), ("MB", 10**6)):
-        if largest >= scale:
-            return unit, scale
-    return "kB", 10**3
+    """The unit of a bar chart's axis: the largest that `largest` reaches, kB at the least."""
+    return next(((unit, scale) for unit, scale in BYTE_UNITS if largest >= scale), BYTE_UNITS[-1])
 
 
 def _draw_stacked(ax, labels, estimates, gpu_memory_gb=None, title=None, capacity_label=None, highlight=None):
@@ -173,8 +153,6 @@ def memory_figure(model: str | None = "22b", *, vary: str | None = None, values=
     Other keywords are `breakdown`'s (micro_batch, precision, dp, tp, pp, zero, offload, seq_len, ...);
     `labels` replaces the bars' default names.
     """
-    from matplotlib.figure import Figure
-
     settings = dict(model=model, n_params=n_params, vocab=vocab, **options)
     if vary is None:
         runs = [settings]
@@ -212,9 +190,6 @@ def zero_stages_figure(model: str | None = CUSTOM, *, n_params: float | None = 7
 def measured_vs_predicted_figure(measured: dict, predicted: dict, title: str | None = None,
                                  categories=CATEGORIES):
     """Bars side by side per category: what a run measured beside what estimate/ predicted."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
     largest = max(max(measured[k], predicted[k]) for k in categories)
     unit, scale = _unit(largest)
     fig = Figure(figsize=(6.4, 3.4), layout="constrained")
@@ -424,12 +399,12 @@ class MemoryWidget:
             return text + " (Pick a model shape and a named device to compare with the step's compute.)"
         tokens = c["micro_batch"].value * cfg.seq_len  # one micro-batch per step: the least compute to hide behind
         step_flops = training_flops_per_token(cfg) * tokens / (c["tp"].value * c["pp"].value)
-        pays = offload_pays(est["pcie"], step_flops, peaks[1] * 1e12, MFU, HOST_LINK_GBPS[c["pcie"].value])
+        pays = offload_pays(est["pcie"], step_flops, peaks[1] * 1e12, TYPICAL_MFU, HOST_LINK_GBPS[c["pcie"].value])
         if pays["hidden"]:
             return text + (f" That takes {pays['transfer_s']:.3g} s, hidden behind one micro-batch's "
-                           f"{pays['compute_s']:.3g} s of compute (at {MFU:.0%} of its bf16 peak).")
+                           f"{pays['compute_s']:.3g} s of compute (at {TYPICAL_MFU:.0%} of its bf16 peak).")
         return text + (f" That takes {pays['transfer_s']:.3g} s against one micro-batch's {pays['compute_s']:.3g} s of "
-                       f"compute (at {MFU:.0%} of its bf16 peak): not hidden unless each step processes "
+                       f"compute (at {TYPICAL_MFU:.0%} of its bf16 peak): not hidden unless each step processes "
                        f"{pays['break_even_tokens_factor']:.3g} times the tokens (gradient accumulation).")
 
     @staticmethod
@@ -465,8 +440,6 @@ class MemoryWidget:
     def _figure(self, title=None):
         """The layout at ZeRO stages 0-3 side by side against the device, the chosen stage outlined;
         without the parallel controls (one device: every stage the same) just its one bar."""
-        from matplotlib.figure import Figure
-
         c = self.controls
         gpu = c["gpu_memory_gb"].value
         capacity = f"{c['device'].value}" if c["device"].value in DEVICES else f"one GPU: {gpu:g} GB"

@@ -25,8 +25,7 @@ from matplotlib.text import Text
 
 from ..estimate.schedules import SCHEDULES, check_schedule_args, schedule
 from ..estimate.simulator import Timeline, bubble_fraction, simulate
-from .collectives import NotebookFigure
-from .show import figure_png
+from .figure import NotebookFigure, figure_png
 
 COLORS = {"F": "#4C72B0", "B": "#55A868"}   # forward and backward, as in the overlap timeline
 IDLE = "#E6E6E6"

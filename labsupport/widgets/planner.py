@@ -26,10 +26,10 @@ from ..estimate.machines import Machine
 from ..estimate.memory import RECOMPUTE
 from ..estimate.planner import (MACHINE_NAMES, USABLE_MEMORY, ZERO_STAGES, Config, NoFit, Sample, plan, search,
                                 tflops_per_gpu, usable_bytes, why)
+from ..estimate.shapes import CPU_PRESETS, PRESETS, ModelConfig, get_preset
 from ..estimate.workshop import STRONG_SCALING
-from ..model import CPU_PRESETS, PRESETS, ModelConfig, get_preset
+from .figure import NotebookFigure, figure_png
 from .memory import preset_label
-from .show import figure_png, notebook_figure_class
 
 # The setting the widget opens on: the deck's 175B strong-scaling run, a total batch of 8,000 on
 # 1,024 GCDs (Fig. 13), for which the planner's best is Table VI's TP 4 x PP 16.
@@ -44,7 +44,6 @@ COLORS = {"compute_s": "#4C72B0", "tp_comm_s": "#DD8452", "pp_comm_s": "#55A868"
           "bubble_s": "#BBBBBB"}
 RECOMPUTE_COLORS = {"none": "#4C72B0", "selective": "#DD8452", "full": "#55A868"}
 HEADER = ["#", "dp", "tp", "pp", "micro-batch", "ZeRO", "recompute", "GB/GPU", "step s", "TFLOP/s/GPU", "+% vs best"]
-NotebookFigure = notebook_figure_class()
 
 
 class Planned(NamedTuple):

@@ -2,9 +2,9 @@
 
 A job's ranks fill its nodes in order: node k holds ranks k*G to k*G + G - 1 (torchrun numbers
 them node by node). Which ranks form a TP, PP or DP group is decided by the rank order, the
-order in which the three coordinates vary. Mesh (parallel/mesh.py) varies TP fastest, so a TP
-group is G-aligned neighbours on one node; vary DP fastest and every TP group straddles nodes,
-and the all-reduces tensor parallelism runs after every layer go over the network.
+order in which the three coordinates vary. Mesh's order (labsupport/grid.py) varies TP fastest,
+so a TP group is G-aligned neighbours on one node; vary DP fastest and every TP group straddles
+nodes, and the all-reduces tensor parallelism runs after every layer go over the network.
 
     layout(dp, tp, pp, G, order)   each rank's (d, p, t) and node, each axis' groups and whether
                                    each crosses nodes (pure: no torch, no ipywidgets)
@@ -23,12 +23,11 @@ from typing import NamedTuple
 
 from matplotlib import colormaps
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
-from matplotlib.ticker import EngFormatter
 
-from ..parallel.mesh import AXES
-from .show import figure_png, notebook_figure_class
+from ..grid import AXES, coordinates
+from .figure import NotebookFigure, bytes_axis, figure_png, format_bytes
 
-ORDER = ("tp", "pp", "dp")  # fastest to slowest: Mesh's rank = (d * pp + p) * tp + t
+ORDER = AXES[::-1]  # fastest to slowest: Mesh's order, rank = (d * pp + p) * tp + t (grid.py)
 ORDERS = [ORDER] + [o for o in permutations(ORDER) if o != ORDER]
 COLOUR_BY = ("tp", "pp", "dp", "all")
 MAX_RANKS = 64  # more cells than this no longer read as a picture
@@ -42,8 +41,6 @@ PALETTE = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 3]
 HUES = {"tp": "Blues", "pp": "Greens", "dp": "Purples"}
 LEGEND_GROUPS = 8  # per axis; more are summed up in one entry
 CROSSING = "#d62728"
-NotebookFigure = notebook_figure_class()
-format_bytes = EngFormatter(unit="B", places=1)
 
 
 class Group(NamedTuple):
@@ -114,16 +111,15 @@ def traffic_split(lay: Layout, comm_groups: list[dict]) -> dict:
 
     `comm_groups` is a `labsupport.train.run(...)` summary's list, rank by rank, of {group: {op:
     {calls, payload_bytes, wire_bytes}}}. The run's ranks were placed by Mesh, so rank r did the
-    work of the coordinates layout(...).coords[r] in the default order; the same coordinates send
-    the same bytes wherever they sit. A group that spans nodes counts all its bytes as across:
+    work of the coordinates grid.coordinates(r); the same coordinates send the same bytes
+    wherever they sit. A group that spans nodes counts all its bytes as across:
     its ring's slowest hop, the network, sets its pace.
     """
     if len(comm_groups) != lay.world_size:
         raise ValueError(f"the counters are of {len(comm_groups)} ranks, the grid has {lay.world_size}")
-    recorded = layout(lay.dp, lay.tp, lay.pp, lay.devices_per_node)
     split = {}
     for rank, groups in enumerate(comm_groups):
-        here = lay.rank_at(recorded.coords[rank])
+        here = lay.rank_at(coordinates(rank, lay.pp, lay.tp))
         for name, ops in groups.items():
             if name not in GROUP_AXIS:
                 raise ValueError(f"the counters name a group {name!r}; the grid knows {', '.join(GROUP_AXIS)}")
@@ -208,7 +204,7 @@ def _draw_traffic(ax, split: dict) -> None:
     ax.bar(names, inside, color="#4C72B0", label="inside a node")
     ax.bar(names, across, bottom=inside, color="white", hatch="//", label="across nodes",
            edgecolor=[CROSSING if a else "none" for a in across])  # no red line on a group with nothing across
-    ax.yaxis.set_major_formatter(format_bytes)
+    bytes_axis(ax.yaxis)
     ax.set_ylabel("wire bytes per step, all ranks")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2, fontsize=8, frameon=False)  # off the bars
     total = sum(inside) + sum(across)

@@ -9,39 +9,18 @@ runs `python -m labsupport.widgets.show NOTEBOOK...`, which keeps only the PNG o
 from __future__ import annotations
 
 import base64
-import io
 import json
 import sys
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATIC_TEXT = "(an interactive widget: run the cell in JupyterLab; the static figure stands in for it here)"
-DPI = 100
-
-
-def figure_png(fig, dpi: int = DPI) -> bytes:
-    """A matplotlib Figure as PNG bytes (no pyplot, no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    if fig.canvas is None or not hasattr(fig.canvas, "print_png"):
-        FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
-def notebook_figure_class():
-    """A Figure subclass that shows itself as a PNG when a cell returns it, pyplot or not."""
-    from matplotlib.figure import Figure
-
-    class NotebookFigure(Figure):
-        def _repr_png_(self) -> bytes:
-            return figure_png(self)
-    return NotebookFigure
 
 
 def show(widget, figure) -> None:
     """Display `widget` (an ipywidget, or an object with `.widget`) with `figure` as its stand-in."""
     from IPython.display import display
+
+    from .figure import figure_png  # imported here: `python -m labsupport.widgets.show` needs no matplotlib
     widget = getattr(widget, "widget", widget)
     bundle = dict(widget._repr_mimebundle_() or {})
     bundle["image/png"] = base64.b64encode(figure_png(figure)).decode()

@@ -29,8 +29,7 @@ from matplotlib.patches import Patch
 from matplotlib.path import Path as MplPath
 
 from ..metrics import overlap
-from .collectives import NotebookFigure
-from .show import figure_png
+from .figure import NotebookFigure, figure_png
 
 COMPUTE_OPS = ("forward", "backward", "finish_backward", "optimizer")
 LABELS = {"forward": "forward", "backward": "backward", "finish_backward": "finish backward (wait for gradients)",

@@ -1,0 +1,48 @@
+"""What every widget's figure shares: the Figure class a notebook shows, its PNG, and how bytes read.
+
+Figures are built with `matplotlib.figure.Figure` rather than pyplot, so redrawing a widget never
+piles up pyplot's open figures and a figure that a cell returns is shown exactly once. A
+`NotebookFigure` carries its own PNG representation, so it shows in a notebook even when nothing
+imported pyplot (which is what registers matplotlib's display hook with IPython).
+"""
+from __future__ import annotations
+
+import io
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
+
+DPI = 100  # of every PNG a widget shows or a notebook stores
+# Decimal units, as the workshop decks, datasheets and nccl-tests count bytes.
+BYTE_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def format_bytes(n: float) -> str:
+    """1234567890 -> '1.23 GB'; small values in MB or kB so a CPU model does not read as 0.00 GB."""
+    for unit, scale in BYTE_UNITS:
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def bytes_axis(axis) -> None:
+    """Tick labels of an axis in bytes, in the same decimal units (0 B, 500 B, 1 kB, ...)."""
+    axis.set_major_formatter(EngFormatter(unit="B"))
+
+
+def figure_png(fig, dpi: int = DPI) -> bytes:
+    """A matplotlib Figure as PNG bytes (no pyplot, no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if fig.canvas is None or not hasattr(fig.canvas, "print_png"):
+        FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+class NotebookFigure(Figure):
+    """A Figure that shows itself as a PNG when a cell returns it, pyplot or not."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
