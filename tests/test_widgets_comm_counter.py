@@ -10,7 +10,7 @@ from figures import px, text_px, texts_cut_or_overlapping  # noqa: E402
 from labsupport.estimate.comm_cost import collective_time  # noqa: E402
 from labsupport.estimate.flops import training_flops_per_token  # noqa: E402
 from labsupport.estimate.machines import MACHINES, link  # noqa: E402
-from labsupport.estimate.tp_comm import total, tp_comm  # noqa: E402
+from labsupport.estimate.tp_comm import step_cost, total, tp_comm  # noqa: E402
 from labsupport.model import PRESETS  # noqa: E402
 from labsupport.widgets import comm_counter as cc  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
@@ -22,7 +22,7 @@ def fake_run(tp=2, sequence_parallel=False, micro_batch=4, global_batch=8, dtype
     settings = dict(model="nano", seq_len=nano.seq_len, vocab=65, tp=tp, sequence_parallel=sequence_parallel,
                     micro_batch=micro_batch, microbatches=global_batch // micro_batch,
                     bytes_per_element=cc.BYTES[dtype])
-    counts = cc.predict(**settings)["total"] if counted is None else counted
+    counts = step_cost(**settings)["total"] if counted is None else counted
     return {"model": {"name": "nano", "n_layers": nano.n_layers, "hidden": nano.hidden, "heads": nano.heads,
                       "vocab": 65, "seq_len": nano.seq_len},
             "parallel": {"strategy": "tp", "dp": 1, "tp": tp, "pp": 1, "sequence_parallel": sequence_parallel},
@@ -37,7 +37,7 @@ def bar_heights(ax) -> list[float]:
 def test_predict_is_tp_comm_priced_by_the_ring_formula():
     """22b at T = 8 on a DGX H100: the collectives are tp_comm's; each call costs the ring's alpha-beta
     time on NVLink; the compute is 1/8 of the step's training FLOPs at 40% of the H100's bf16 peak."""
-    p = cc.predict("22b", 8, "DGX H100", micro_batch=2, microbatches=3, bytes_per_element=2)
+    p = step_cost("22b", 8, "DGX H100", micro_batch=2, microbatches=3, bytes_per_element=2)
     cfg = PRESETS["22b"]
     step = tp_comm(48, 6144, 2048, 2, microbatches=3, bytes_per_element=2)
     assert p["total"] == total(step, 8)
@@ -51,21 +51,21 @@ def test_predict_is_tp_comm_priced_by_the_ring_formula():
     assert p["compute_s"] == pytest.approx(p["flops"] / (989e12 * 0.4))
     assert p["ratio"] == pytest.approx(p["comm_s"] / p["compute_s"])
     with pytest.raises(ValueError, match="T must divide"):
-        cc.predict("gpt2", 8)  # 12 heads
+        step_cost("gpt2", 8)  # 12 heads
     with pytest.raises(ValueError, match="unknown machine"):
-        cc.predict("22b", 8, "Summit")
+        step_cost("22b", 8, "Summit")
 
 
 def test_controls_change_the_numbers():
     w = cc.CommCounterWidget("22b", tp=8)
-    assert w.prediction["total"] == cc.predict("22b", 8)["total"]
+    assert w.prediction["total"] == step_cost("22b", 8)["total"]
     assert "communication / compute = " + f"{w.prediction['ratio']:.3g}" in w.text
     seen = {w.text}
     for name, value in [("micro_batch", 4), ("microbatches", 8), ("bytes_per_element", 4), ("seq_len", 4096),
                         ("machine", "DGX A100"), ("tp", 4), ("model", "175b")]:
         before = w.png
         w.controls[name].value = value
-        assert w.prediction == cc.predict(**w.options()), name
+        assert w.prediction == step_cost(**w.options()), name
         assert w.text not in seen and w.png != before, f"{name} changed nothing"
         seen.add(w.text)
     assert w.controls["seq_len"].value == 2048  # a preset brings its own context
@@ -109,7 +109,7 @@ def test_tp_menu_offers_only_degrees_that_divide_the_heads():
     assert w.controls["tp"].options == (1, 2, 4, 8, 16)  # 48 heads
     w.controls["model"].value = "gpt2"  # 12 heads: the largest T that still divides them
     assert w.controls["tp"].options == (1, 2, 4) and w.controls["tp"].value == 4
-    assert w.prediction == cc.predict("gpt2", 4)
+    assert w.prediction == step_cost("gpt2", 4)
     w.controls["model"].value = "175b"
     assert w.controls["tp"].options == tuple(cc.TP_DEGREES)
     with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4\]"):
@@ -142,7 +142,7 @@ def test_a_runs_counts_are_shown_beside_the_prediction_when_the_settings_match()
 
 
 def test_a_bare_comm_dict_belongs_to_the_keywords():
-    counted = cc.predict("micro", 2, vocab=65)["total"]
+    counted = step_cost("micro", 2, vocab=65)["total"]
     w = cc.CommCounterWidget("micro", tp=2, vocab=65, bytes_per_element=2, measured=counted)
     assert w.matches_run() and "exactly the prediction" in w.text
 
@@ -151,7 +151,7 @@ def test_from_run_reads_the_run_summary():
     settings, counted = cc.from_run(fake_run(tp=2, micro_batch=2, global_batch=8, dtype="bf16"))
     assert settings == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=False, micro_batch=2,
                             microbatches=4, bytes_per_element=2)
-    assert counted == cc.predict(**settings)["total"]
+    assert counted == step_cost(**settings)["total"]
     piped = fake_run()
     piped["parallel"]["pp"] = 2
     with pytest.raises(ValueError, match="pp = 1"):
@@ -233,7 +233,7 @@ def pictures():
     yield "04 22b T = 16", cc.CommCounterWidget("22b", tp=16, machine="Frontier (MI250X GCD)").figure()
     yield "T = 1", cc.comm_figure("nano", 1, vocab=65)
     yield "175b T = 32", cc.comm_figure("175b", 32, "DGX A100", sequence_parallel=True, microbatches=8)
-    ratios = {m: {t: cc.predict("22b", t, m)["ratio"] for t in (2, 4, 8, 16)} for m in ("Frontier (MI250X GCD)",
+    ratios = {m: {t: step_cost("22b", t, m)["ratio"] for t in (2, 4, 8, 16)} for m in ("Frontier (MI250X GCD)",
                                                                                        "DGX H100")}
     yield "04 scaling", cc.scaling_figure(ratios, 8, "22B: TP's all-reduces against its compute\n(a second line)")
 

@@ -1,8 +1,7 @@
 """What tensor parallelism sends in one optimizer step, and what that costs on a real machine:
 the comm-counter widget and its static figure.
 
-Every number comes from `labsupport.estimate.tp_comm.step_cost` (here also by notebook 04's name
-for it, `predict`): the collectives from `tp_comm.tp_comm` and `tp_comm.total`, their time from
+Every number comes from `labsupport.estimate.tp_comm.step_cost`: the collectives from `tp_comm.tp_comm` and `tp_comm.total`, their time from
 `comm_cost.collective_time` (ring algorithm) over the link that `machines.link` picks for a group
 of T devices, the compute from `flops.training_flops_per_token` at `flops.TYPICAL_MFU`. This module
 only chooses the inputs, formats the outputs and draws them:
@@ -28,8 +27,6 @@ from ..estimate.flops import TYPICAL_MFU
 from ..estimate.machines import MACHINES
 from ..estimate.shapes import PRESETS, preset_shape
 from ..estimate.tp_comm import step_cost
-
-predict = step_cost  # notebook 04's name for it
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
 BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype
