@@ -73,7 +73,7 @@ class Parallel(Strategy):
 
     def parallelize(self, model):
         self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)
-        self.pipeline = next((s for s in self.steps if isinstance(s, PipelineSplit)), None)
+        self.pipeline = next((s for s in self.steps if s.axis == "pp"), None)  # it runs the micro-batches
         return torch.nn.ModuleList(self.parts) if self.pipeline else self.parts[0]
 
     def make_optimizer(self, model, lr, weight_decay):
