@@ -125,14 +125,15 @@ def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) 
     def advance(stage: int) -> int | None:
         """Run the stage's actions until one must wait; return the stage it waits for (None: done)."""
         actions, i, now = actions_per_stage[stage], pc[stage], clock[stage]
-        while i < len(actions):
+        n = len(actions)
+        while i < n:
             action = actions[i]
             op, microbatch, chunk = action
             if op in duration:                                       # F or B
                 end = now + duration[op]
                 spans[stage].append((now, end, op, microbatch, chunk))
                 now = end
-            elif op.startswith("SEND"):
+            elif op in ("SEND_F", "SEND_B"):
                 dst, matching, its_chunk = peers[stage, op, chunk]
                 expected = (matching, microbatch, its_chunk)    # the RECV it must meet (a tuple equals an Action)
                 if not blocking_sends:
@@ -160,7 +161,7 @@ def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) 
         if i > pc[stage]:
             pc[stage], clock[stage] = i, now
             moved(stage)
-        return peers[stage, actions[i].op, actions[i].chunk][0] if i < len(actions) else None
+        return peers[stage, actions[i].op, actions[i].chunk][0] if i < n else None
 
     while this_round:
         running = heapq.heappop(this_round)
