@@ -161,18 +161,19 @@ def cmd_bubble(args) -> int:
         raise UsageError(f"--backward-ratio must be positive (got {args.backward_ratio:g})")
     timeline = simulate(schedule(args.schedule, args.stages, args.microbatches, chunks),
                         backward_ratio=args.backward_ratio, chunks=chunks)
-    result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
-              "chunks": chunks, "backward_ratio": args.backward_ratio, **timeline.to_json()}
     lines = [f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches, {chunks} chunk(s) per stage, "
              f"backward = {args.backward_ratio:g} x forward (one forward = 1 time unit)",
              f"{'stage':>5} {'busy':>8} {'idle':>8} {'idle/total':>10} {'in flight':>9}"
              + ("  (chunk forwards, each 1/v of the stage's layers)" if chunks > 1 else "")]
-    for s, (busy, idle, peak) in enumerate(zip(timeline.busy, timeline.idle, result["peak_inflight_microbatches"])):
+    for s, (busy, idle, peak) in enumerate(zip(timeline.busy, timeline.idle, timeline.peak_inflight_microbatches)):
         lines.append(f"{s:>5} {busy:>8.3g} {idle:>8.3g} {idle / timeline.total_time:>10.1%} {peak:>9}")
     lines.append(f"total time {timeline.total_time:.3g}; bubble: idle/total {timeline.bubble_fraction:.1%}, "
                  f"idle/busy {timeline.bubble_over_ideal:.4g} "
                  f"(formula (p-1)/(v*m) = {bubble_over_ideal(args.stages, args.microbatches, chunks):.4g}, "
                  f"(p-1)/(v*m+p-1) = {bubble_fraction(args.stages, args.microbatches, chunks):.1%})")
+    # Only --json prints the timeline (every compute span of every stage): build it only then.
+    result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
+              "chunks": chunks, "backward_ratio": args.backward_ratio, **timeline.to_json()} if args.json else None
     _emit(args, "\n".join(lines), result)
     return 0
 

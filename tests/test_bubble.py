@@ -52,6 +52,15 @@ def test_human_output_is_a_table_with_the_formula(capsys):
     assert "(p-1)/(v*m) = 0.375" in out and "idle/busy 0.375" in out
 
 
+def test_the_1t_runs_pipeline_meets_the_formula(capsys):
+    """The 1T run's pipeline (64 stages, 1600 micro-batches per replica): 200,000 spans in the JSON, the bubble
+    (p-1)/m exactly, at most p - s micro-batches in flight. tests/test_schedules.py times the same simulation."""
+    result = bubble_json(capsys, "--stages", 64, "--microbatches", 1600)
+    assert result["bubble_over_ideal"] == pytest.approx(63 / 1600)
+    assert result["peak_inflight_microbatches"] == list(range(64, 0, -1))
+    assert sum(map(len, result["timeline"])) == 64 * 2 * 1600
+
+
 @pytest.mark.parametrize("args, message", [
     (("--stages", 0, "--microbatches", 4), "stages must be at least 1"),
     (("--stages", 4, "--microbatches", 6, "--schedule", "interleaved"), "try 8"),

@@ -14,10 +14,11 @@ import pytest
 from labsupport.estimate.comm_cost import all_reduce_ring
 from labsupport.estimate.flops import training_flops_per_token
 from labsupport.estimate.machines import DGX_A100, FRONTIER, Machine
+from labsupport.estimate.memory import RECOMPUTE
 from labsupport.estimate.params import count_params
-from labsupport.estimate.planner import (NoFit, check_machine, deepspeed_config, describe, evaluate, explain_no_fit,
-                                         megatron_arguments, megatron_environment, plan, search, step_flops,
-                                         why)
+from labsupport.estimate.planner import (MICRO_BATCHES, ZERO_STAGES, NoFit, check_machine, deepspeed_config,
+                                         describe, evaluate, explain_no_fit, layouts, megatron_arguments,
+                                         megatron_environment, plan, search, step_flops, why)
 from labsupport.estimate.published import NARAYANAN_TABLE_1
 from labsupport.estimate.scaling import WORKSHOP, strong_scaling, weak_scaling
 from labsupport.model import PRESETS, ModelConfig
@@ -216,3 +217,15 @@ def test_strong_scaling_efficiency_by_hand():
     assert (one.step_time_s, four.step_time_s) == (t1, t4)
     assert four.efficiency == pytest.approx(t1 * 16 / (t4 * 64))
     assert four.tokens_per_s == pytest.approx(64 * 2048 / t4)
+
+
+@pytest.mark.parametrize("gpus", [3072, 64 * 3072])
+def test_the_planners_work_does_not_grow_with_the_gpus(gpus):
+    """tp divides the heads, pp the layers, and dp is what is left: the 1T model (128 heads, 128 layers) on
+    Frontier has 5 tp (1..16) x 8 pp candidates, times micro-batches, ZeRO stages and recomputations, whether on
+    3072 GCDs or 196,608. Counted, not timed: a few hundred evaluations, milliseconds."""
+    cfg = PRESETS["1t"]
+    candidates = 5 * 8 * len(MICRO_BATCHES) * len(ZERO_STAGES) * len(RECOMPUTE)
+    assert len(list(layouts(cfg, FRONTIER, gpus, gpus))) <= candidates
+    best = plan(cfg, FRONTIER, gpus, gpus)[0]
+    assert best.dp * best.tp * best.pp == gpus

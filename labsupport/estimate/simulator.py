@@ -10,8 +10,10 @@ that both send first). The formulas the simulation must reproduce are `bubble_ov
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from .schedules import Action, peer
 
@@ -26,23 +28,28 @@ Span = tuple[float, float, str, int, int]
 
 @dataclass(frozen=True)
 class Timeline:
-    """Per stage, the compute actions with their start and end times; and what follows from them."""
+    """Per stage, the compute actions with their start and end times; and what follows from them.
+
+    The figures below are worked out on first use and kept (a timeline of 64 stages x 1600
+    micro-batches has 200,000 spans): a Timeline is not meant to change after `simulate` made it.
+    """
 
     spans: list[list[Span]]
     peak_inflight_microbatches: list[int]   # per stage: most chunk forwards whose backward has not run
 
-    @property
+    @cached_property
     def total_time(self) -> float:
         """The makespan: from the first forward to the last backward on any stage."""
         return max((s[1] for stage in self.spans for s in stage), default=0.0)
 
-    @property
+    @cached_property
     def busy(self) -> list[float]:
         return [sum(end - start for start, end, *_ in stage) for stage in self.spans]
 
-    @property
+    @cached_property
     def idle(self) -> list[float]:
-        return [self.total_time - b for b in self.busy]
+        total = self.total_time
+        return [total - b for b in self.busy]
 
     @property
     def bubble_fraction(self) -> float:
@@ -57,24 +64,17 @@ class Timeline:
         return sum(self.idle) / busy if busy else 0.0
 
     def to_json(self) -> dict:
+        """The figures and every span, ready for `json.dumps` (which writes a span tuple as an array)."""
         return dict(bubble_fraction=self.bubble_fraction, bubble_over_ideal=self.bubble_over_ideal,
                     peak_inflight_microbatches=self.peak_inflight_microbatches,
-                    total_time=self.total_time, timeline=[[list(s) for s in stage] for stage in self.spans])
+                    total_time=self.total_time, timeline=[list(stage) for stage in self.spans])
 
 
 def simulate(actions_per_stage: list[list[Action]], forward_time: float = 1.0, backward_ratio: float = 2.0,
              p2p_time: float = 0.0, chunks: int = 1) -> Timeline:
     """Start every action as early as its stage and its messages allow; see the module docstring."""
-    stages = len(actions_per_stage)
-    step = {"F": forward_time / chunks, "B": forward_time * backward_ratio / chunks}
-    spans: list[list[Span]] = [[] for _ in range(stages)]
-
-    def compute(stage: int, action: Action, clock: float) -> float:
-        end = clock + step[action.op]
-        spans[stage].append((clock, end, action.op, action.microbatch, action.chunk))
-        return end
-
-    _run(actions_per_stage, stages, chunks, compute, p2p_time, blocking_sends=False)
+    duration = {"F": forward_time / chunks, "B": forward_time * backward_ratio / chunks}
+    spans = _run(actions_per_stage, len(actions_per_stage), chunks, duration, p2p_time, blocking_sends=False)
     return Timeline(spans, [_peak_inflight(stage) for stage in actions_per_stage])
 
 
@@ -87,60 +87,91 @@ def check_happens_before(actions_per_stage: list[list[Action]], stages: int, chu
     """
     if len(actions_per_stage) != stages:
         raise ScheduleError(f"{len(actions_per_stage)} action lists for {stages} stages")
-    _run(actions_per_stage, stages, chunks, lambda stage, action, clock: clock, 0.0, blocking_sends)
+    _run(actions_per_stage, stages, chunks, {"F": 0.0, "B": 0.0}, 0.0, blocking_sends)
 
 
-def _run(actions_per_stage, stages, chunks, compute, p2p_time, blocking_sends) -> None:
-    """Advance every stage as far as it can, round after round, until all are done or none can move.
+def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) -> list[list[Span]]:
+    """Round after round, each stage in turn runs as far as it can, until none can move. Returns
+    each stage's compute spans.
 
     Each channel (sender, receiver) is a FIFO queue of (the RECV it must meet, arrival time), as
     torch.distributed matches messages between two ranks in the order they were posted. The
-    times are right whatever the round order: a stage's clock depends only on its own previous
-    action and on when its messages arrive.
+    times are right whatever order the stages run in: a stage's clock depends only on its own
+    previous action and on when its messages arrive.
+
+    A stage that must wait is not looked at again until the stage it waits for has moved, so the
+    work grows with the actions, not with rounds x stages: each action runs once, and each move
+    wakes at most the few stages waiting for it (a stage's two neighbours, in every schedule here).
     """
     pc = [0] * stages
     clock = [0.0] * stages
+    spans: list[list[Span]] = [[] for _ in range(stages)]
     channels: dict[tuple[int, int], deque] = defaultdict(deque)
+    peers = _Peers(stages, chunks)
+    waiting = [[] for _ in range(stages)]       # waiting[x]: the stages stuck until stage x moves
+    this_round = list(range(stages))            # the stages still to look at in this round, lowest first (a heap)
+    next_round: list[int] = []
+    running = 0
 
     def current(stage: int) -> Action | None:
         return actions_per_stage[stage][pc[stage]] if pc[stage] < len(actions_per_stage[stage]) else None
 
-    def advance(stage: int) -> bool:
-        action = current(stage)
-        if action is None:
-            return False
-        if action.op in ("F", "B"):
-            clock[stage] = compute(stage, action, clock[stage])
-        elif action.op.startswith("SEND"):
-            dst, expected = peer(stage, action, stages, chunks)
-            if not blocking_sends:
-                channels[stage, dst].append((expected, clock[stage] + p2p_time))
-            else:                                       # rendezvous with the receiver's RECV
-                there = current(dst)
-                if (dst == stage or there is None or not there.op.startswith("RECV")
-                        or peer(dst, there, stages, chunks)[0] != stage):
-                    return False
-                _match(dst, there, expected, stage)
-                clock[stage] = clock[dst] = max(clock[stage], clock[dst]) + p2p_time
-                pc[dst] += 1
-        else:
-            src, _ = peer(stage, action, stages, chunks)
-            if not channels[src, stage]:
-                return False
-            expected, arrival = channels[src, stage].popleft()
-            _match(stage, action, expected, src)
-            clock[stage] = max(clock[stage], arrival)
-        pc[stage] += 1
-        return True
+    def moved(stage: int) -> None:
+        """Wake the stages waiting for `stage`: in this round if their turn is still to come, else the next."""
+        for other in waiting[stage]:
+            heapq.heappush(this_round if other > running else next_round, other)
+        waiting[stage].clear()
 
-    moved = True
-    while moved:
-        moved = False
-        for stage in range(stages):
-            while advance(stage):
-                moved = True
+    def advance(stage: int) -> int | None:
+        """Run the stage's actions until one must wait; return the stage it waits for (None: done)."""
+        actions, i, now = actions_per_stage[stage], pc[stage], clock[stage]
+        n = len(actions)
+        while i < n:
+            action = actions[i]
+            op, microbatch, chunk = action
+            if op in duration:                                       # F or B
+                end = now + duration[op]
+                spans[stage].append((now, end, op, microbatch, chunk))
+                now = end
+            elif op in ("SEND_F", "SEND_B"):
+                dst, matching, its_chunk = peers[stage, op, chunk]
+                expected = (matching, microbatch, its_chunk)    # the RECV it must meet (a tuple equals an Action)
+                if not blocking_sends:
+                    channels[stage, dst].append((expected, now + p2p_time))
+                else:                                           # rendezvous with the receiver's RECV
+                    there = current(dst)
+                    if (dst == stage or there is None or not there.op.startswith("RECV")
+                            or peers[dst, there.op, there.chunk][0] != stage):
+                        break
+                    if there != expected:
+                        raise _out_of_order(dst, there, expected, stage)
+                    now = clock[dst] = max(now, clock[dst]) + p2p_time
+                    pc[dst] += 1
+                    moved(dst)
+            else:                                               # a RECV: its message must be there
+                src = peers[stage, op, chunk][0]
+                queue = channels[src, stage]
+                if not queue:
+                    break
+                expected, arrival = queue.popleft()
+                if action != expected:
+                    raise _out_of_order(stage, action, expected, src)
+                now = max(now, arrival)
+            i += 1
+        if i > pc[stage]:
+            pc[stage], clock[stage] = i, now
+            moved(stage)
+        return peers[stage, actions[i].op, actions[i].chunk][0] if i < n else None
 
-    def waiting(stage: int) -> str:
+    while this_round:
+        running = heapq.heappop(this_round)
+        other = advance(running)
+        if other is not None:
+            waiting[other].append(running)
+        if not this_round:
+            this_round, next_round = next_round, []
+
+    def waiting_at(stage: int) -> str:
         action = current(stage)
         sends = action.op.startswith("SEND")
         other = peer(stage, action, stages, chunks)[0]
@@ -149,29 +180,48 @@ def _run(actions_per_stage, stages, chunks, compute, p2p_time, blocking_sends) -
 
     stuck = [s for s in range(stages) if current(s) is not None]
     if stuck:
-        raise ScheduleError(f"deadlock: {'; '.join(waiting(s) for s in stuck)}")
+        raise ScheduleError(f"deadlock: {'; '.join(waiting_at(s) for s in stuck)}")
     unreceived = [f"{_describe(a)} on stage {dst} from stage {src}"
                   for (src, dst), queue in channels.items() for a, _ in queue]
     if unreceived:
         raise ScheduleError(f"sent but never received: {'; '.join(unreceived)}")
+    return spans
 
 
-def _match(stage: int, action: Action, expected: Action, src: int) -> None:
-    if action != expected:
-        raise ScheduleError(f"stage {stage} posts {_describe(action)} but the next message from stage {src} "
-                            f"is for {_describe(expected)}: receives out of send order")
+class _Peers(dict):
+    """`peer` without the micro-batch, worked out on first use and kept (it is the same for every
+    micro-batch): `peers[stage, op, chunk]` is (the other stage, the matching op there, its chunk)."""
+
+    def __init__(self, stages: int, chunks: int):
+        super().__init__()
+        self.stages, self.chunks = stages, chunks
+
+    def __missing__(self, key: tuple[int, str, int]) -> tuple[int, str, int]:
+        stage, op, chunk = key
+        other, matching = peer(stage, Action(op, 0, chunk), self.stages, self.chunks)
+        self[key] = other, matching.op, matching.chunk
+        return self[key]
 
 
-def _describe(action: Action) -> str:
-    return f"{action.op}(micro-batch {action.microbatch}, chunk {action.chunk})"
+def _out_of_order(stage: int, action: Action, expected: tuple[str, int, int], src: int) -> ScheduleError:
+    return ScheduleError(f"stage {stage} posts {_describe(action)} but the next message from stage {src} "
+                         f"is for {_describe(expected)}: receives out of send order")
+
+
+def _describe(action: tuple[str, int, int]) -> str:
+    op, microbatch, chunk = action
+    return f"{op}(micro-batch {microbatch}, chunk {chunk})"
 
 
 def _peak_inflight(actions: list[Action]) -> int:
     """Most forwards done whose backward has not run yet: the activations a stage holds at once."""
     inflight = peak = 0
     for a in actions:
-        inflight += {"F": 1, "B": -1}.get(a.op, 0)
-        peak = max(peak, inflight)
+        if a.op == "F":
+            inflight += 1
+            peak = max(peak, inflight)
+        elif a.op == "B":
+            inflight -= 1
     return peak
 
 
