@@ -1,5 +1,4 @@
 """Pipeline schedules and their simulator: the bubbles and memory the papers state, and no deadlocks."""
-import time
 
 import pytest
 
@@ -209,17 +208,12 @@ def test_a_schedule_holds_one_object_per_distinct_action():
     assert len({id(a) for a in entries}) == len(set(entries)) < len(entries) / 4
 
 
-def test_the_1t_runs_pipeline_simulates_in_well_under_the_time_a_user_waits():
+def test_the_1t_runs_pipeline_is_simulated_whole():
     """The 1T run's pipeline, 64 stages x 1600 micro-batches (200,000 computes, 400,000 sends and receives),
-    generated, simulated and read per stage as `labsupport bubble` reads it: about 0.5 s of CPU on a 2-core
-    laptop, and `labsupport bubble` must answer in under 1 s. The bound is generous (CPU time, so a busy machine
-    does not count); it failed when `idle` went over every span once per stage and the schedule was 600,000
-    objects (7.6 s)."""
-    start = time.process_time()
+    generated, simulated and read per stage as `labsupport bubble` reads it, meets the formula. Its cost is
+    guarded by the counted test above, not by a clock (DESIGN.md 5: no test asserts a time); it takes about
+    0.6 s of CPU here, 7.6 s before the simulator became linear."""
     timeline = simulate(schedule("1f1b", 64, 1600))
     per_stage = [(busy, idle / timeline.total_time) for busy, idle in zip(timeline.busy, timeline.idle)]
-    summary = (timeline.bubble_fraction, timeline.bubble_over_ideal, timeline.to_json())
-    seconds = time.process_time() - start
     assert timeline.bubble_over_ideal == pytest.approx(bubble_over_ideal(64, 1600))
-    assert len(per_stage) == 64 and len(summary[2]["timeline"][0]) == 3200
-    assert seconds < 5, f"64 stages x 1600 micro-batches took {seconds:.1f} s of CPU (expected about 0.5 s)"
+    assert len(per_stage) == 64 and len(timeline.to_json()["timeline"][0]) == 3200
