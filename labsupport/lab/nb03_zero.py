@@ -305,7 +305,7 @@ def check_shard_block(shard_block) -> dict:
 
     from .. import comm
     from ..model import TinyGPT, get_preset
-    from ..parallel.zero import ShardedUnit
+    from ..parallel.fsdp import ShardedUnit
     torch.manual_seed(0)
     model = TinyGPT(get_preset("nano").with_vocab(57))
     whole = copy.deepcopy(model)

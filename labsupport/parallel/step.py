@@ -5,7 +5,7 @@ changes; every default below does nothing, so the step is invisible where it is 
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import nullcontext
 
 import torch
 
@@ -50,7 +50,7 @@ class Step:
 
     def no_sync(self):
         """Context for backwards before a step's last: accumulate locally, communicate nothing."""
-        return ExitStack()
+        return nullcontext()
 
     def finish_backward(self) -> None:
         """After the last backward of a step: make this axis' gradients whole."""
