@@ -13,10 +13,15 @@ through here and is tallied per process group and per op:
 With `timing(True)` each call also records its start and end (for async calls, the end is
 when `wait()` returns), so a step can be drawn as a timeline. Ops are spelled as in
 torch.distributed and reductions are named by strings: "sum", "avg", "max", "min", "product".
+
+A call keeps nothing of the communication it starts: counters are keyed by group *names*, and a
+collective on a gloo group is over and its work freed when the call returns (async: when its
+`wait()` returns), see `_until_freed`. So nothing of comm's is left for interpreter shutdown.
 """
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
@@ -156,15 +161,66 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 
 
 # ---------------------------------------------------------------- the recording wrapper
+#
+# gloo runs each collective on a worker thread of its process group, which holds the work until
+# just after it has woken the waiter. If the caller's reference is dropped first, the worker thread
+# frees the work, and freeing a gloo work takes the GIL: it keeps the thread-local state of its
+# launch, which inside `loss.backward()` holds a Python object (torch stashes the autograd context
+# there), so every bucket DataParallel sends from a gradient hook carries one; and a tensor whose
+# Python object died while the work held it is freed through that object. While Python runs,
+# that costs the thread a moment. If the interpreter is already shutting down (the script returned
+# right after its last step, and the group's threads outlive destroy_process_group() because
+# torch.distributed.nn.functional, which the first optimizer imports, holds group.WORLD), the thread
+# is ended inside the destructor and the process aborts with "terminate called without an active
+# exception", after all the work succeeded. So a gloo call returns (an async one: its `wait()`)
+# only once the work is freed, here or by its thread, while Python still runs.
+
+_FREE_WAIT_S = 2.0  # the worker thread lets go microseconds after the data arrives; beyond this, stop waiting
+_use_count = getattr(torch.Tensor, "_use_count", None)  # references to a tensor held in C++, works included
+_waits_for_free = _use_count is not None
+
+
+def _watch(tensor, group):
+    """The tensor whose references tell when a work on it is freed, if the work must be: gloo's."""
+    if not _waits_for_free or tensor is None or tensor.device.type != "cpu":
+        return None
+    return tensor if "gloo" in str(dist.get_backend(group)) else None
+
+
+def _until_freed(tensor, held: int) -> None:
+    """Return once fewer than `held` C++ references to `tensor` remain: the work that held it is freed.
+
+    Called right after dropping our handle to a finished work. Each poll releases the GIL, which
+    the worker thread may need to free it; after half a millisecond the polls sleep in between,
+    so that the thread takes the GIL at once rather than after the interpreter's switch interval.
+    """
+    global _waits_for_free
+    start = time.monotonic()
+    while _use_count(tensor) >= held:
+        waited = time.monotonic() - start
+        if waited > _FREE_WAIT_S:  # something else holds the tensor: do not wait again
+            _waits_for_free = False
+            warnings.warn("labsupport.comm: a finished gloo work was not freed within "
+                          f"{_FREE_WAIT_S:g} s; no longer waiting for works to be freed", RuntimeWarning)
+            return
+        time.sleep(0 if waited < 5e-4 else 1e-4)
+
 
 class _Work:
     """Wraps an async handle so the timeline gets the moment the op was waited for."""
 
-    def __init__(self, work, event, after_wait=None):
-        self._work, self._event, self._after_wait = work, event, after_wait
+    def __init__(self, work, event, after_wait=None, watch=None):
+        self._work, self._event, self._after_wait, self._watch = work, event, after_wait, watch
 
     def wait(self):
-        self._work.wait()
+        if self._work is not None:
+            self._work.wait()
+            if self._watch is None:
+                self._work = None
+            else:
+                held = _use_count(self._watch)
+                self._work = None  # the last reference, unless the worker thread still holds it
+                _until_freed(self._watch, held)
         if self._after_wait is not None:
             self._after_wait()
             self._after_wait = None
@@ -173,25 +229,33 @@ class _Work:
         return True
 
     def is_completed(self):
-        return self._work.is_completed()
+        return self._work is None or self._work.is_completed()
 
 
-def _call(op, payload, group, fn, async_op=False, after=None, **meta):
-    """Count, time and run one communication; `after` runs once the data has arrived."""
+def _call(op, payload, group, fn, async_op=False, after=None, watch=None, **meta):
+    """Count, time and run one communication; `after` runs once the data has arrived.
+
+    `fn(async_op)` starts it; `watch` is a tensor the backend's work holds (see `_until_freed`).
+    """
     n = get_world_size(group)
     STATS.add(group_name(group), op, payload, n)
     event = None
     if STATS.timing:
         event = {"op": op, "group": group_name(group), "payload_bytes": int(payload), "start": now(), **meta}
         STATS.events.append(event)
-    work = fn()
-    if async_op:
-        if event is not None:  # the end is when the data has arrived, not when someone waits for it
-            try:
-                work.get_future().add_done_callback(lambda _: event.setdefault("end", now()))
-            except RuntimeError:  # gloo's reduce_scatter has no future: the end is when it is waited for
-                pass
-        return _Work(work, event, after)
+    watch = _watch(watch, group)
+    if async_op or watch is not None:  # a synchronous gloo call too: waited for here, then freed
+        work = _Work(fn(True), event, after, watch)
+        if async_op:
+            if event is not None:  # the end is when the data has arrived, not when someone waits for it
+                try:
+                    work._work.get_future().add_done_callback(lambda _: event.setdefault("end", now()))
+                except RuntimeError:  # gloo's reduce_scatter has no future: the end is when it is waited for
+                    pass
+            return work
+        work.wait()
+        return None
+    fn(False)
     if after is not None:
         after()
     if event is not None:
@@ -225,25 +289,25 @@ def _divide_if_avg(op, tensors, group):
 def all_reduce(tensor, op="sum", group=None, async_op=False, **meta):
     red = _reduce_op(op)
     return _call("all_reduce", _nbytes(tensor), group,
-                 lambda: dist.all_reduce(tensor, red, group=group, async_op=async_op),
-                 async_op, _divide_if_avg(op, [tensor], group), **meta)
+                 lambda a: dist.all_reduce(tensor, red, group=group, async_op=a),
+                 async_op, _divide_if_avg(op, [tensor], group), watch=tensor, **meta)
 
 
 def reduce(tensor, dst, op="sum", group=None, async_op=False):
     red = _reduce_op(op)
     after = _divide_if_avg(op, [tensor], group) if get_rank() == dst else None
     return _call("reduce", _nbytes(tensor), group,
-                 lambda: dist.reduce(tensor, dst, red, group=group, async_op=async_op), async_op, after)
+                 lambda a: dist.reduce(tensor, dst, red, group=group, async_op=a), async_op, after, watch=tensor)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
     return _call("broadcast", _nbytes(tensor), group,
-                 lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
+                 lambda a: dist.broadcast(tensor, src, group=group, async_op=a), async_op, watch=tensor)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     return _call("all_gather", _nbytes(tensor) * get_world_size(group), group,
-                 lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+                 lambda a: dist.all_gather(tensor_list, tensor, group=group, async_op=a), async_op, watch=tensor)
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only the first
@@ -252,7 +316,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def all_gather_into_tensor(output, input, group=None, async_op=False):
     return _call("all_gather", _nbytes(output), group,
-                 lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
+                 lambda a: _all_gather_single(output, input, group=group, async_op=a), async_op, watch=input)
 
 
 def reduce_scatter(output, input_list, op="sum", group=None, async_op=False):
@@ -260,8 +324,8 @@ def reduce_scatter(output, input_list, op="sum", group=None, async_op=False):
     if not _native_reduce_scatter(group):  # gloo before torch 2.6: all-reduce, keep our shard
         return _gloo_reduce_scatter(output, list(input_list), op, group, async_op)
     return _call("reduce_scatter", sum(_nbytes(t) for t in input_list), group,
-                 lambda: dist.reduce_scatter(output, list(input_list), red, group=group, async_op=async_op),
-                 async_op, _divide_if_avg(op, [output], group))
+                 lambda a: dist.reduce_scatter(output, list(input_list), red, group=group, async_op=a),
+                 async_op, _divide_if_avg(op, [output], group), watch=output)
 
 
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
@@ -301,26 +365,29 @@ def _gloo_reduce_scatter(output, input_list, op, group, async_op):
         if op == "avg":
             output.div_(get_world_size(group))
     return _call("reduce_scatter", _nbytes(flat), group,
-                 lambda: dist.all_reduce(flat, red, group=group, async_op=async_op), async_op, after)
+                 lambda a: dist.all_reduce(flat, red, group=group, async_op=a), async_op, after, watch=flat)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     return _call("scatter", _nbytes(tensor) * get_world_size(group), group,
-                 lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op)
+                 lambda a: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=a), async_op,
+                 watch=tensor)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     return _call("gather", _nbytes(tensor) * get_world_size(group), group,
-                 lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op)
+                 lambda a: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=a), async_op,
+                 watch=tensor)
 
 
 def all_to_all(output_list, input_list, group=None, async_op=False):
     return _call("all_to_all", sum(_nbytes(t) for t in input_list), group,
-                 lambda: dist.all_to_all(output_list, input_list, group=group, async_op=async_op), async_op)
+                 lambda a: dist.all_to_all(output_list, input_list, group=group, async_op=a), async_op,
+                 watch=input_list[0] if input_list else None)
 
 
 def barrier(group=None):
-    return _call("barrier", 0, group, lambda: dist.barrier(group=group))
+    return _call("barrier", 0, group, lambda a: dist.barrier(group=group))
 
 
 # ---------------------------------------------------------------- point to point
@@ -329,20 +396,20 @@ def barrier(group=None):
 # to a send by peer and tag; NCCL ignores tags and matches by order).
 
 def send(tensor, dst, group=None, tag=0):
-    return _call("send", _nbytes(tensor), group, lambda: dist.send(tensor, dst, group=group, tag=tag), peer=dst)
+    return _call("send", _nbytes(tensor), group, lambda a: dist.send(tensor, dst, group=group, tag=tag), peer=dst)
 
 
 def recv(tensor, src, group=None, tag=0):
-    return _call("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, src, group=group, tag=tag), peer=src)
+    return _call("recv", _nbytes(tensor), group, lambda a: dist.recv(tensor, src, group=group, tag=tag), peer=src)
 
 
 def isend(tensor, dst, group=None, tag=0):
-    return _call("send", _nbytes(tensor), group, lambda: dist.isend(tensor, dst, group=group, tag=tag), True,
+    return _call("send", _nbytes(tensor), group, lambda a: dist.isend(tensor, dst, group=group, tag=tag), True,
                  peer=dst)
 
 
 def irecv(tensor, src, group=None, tag=0):
-    return _call("recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, src, group=group, tag=tag), True,
+    return _call("recv", _nbytes(tensor), group, lambda a: dist.irecv(tensor, src, group=group, tag=tag), True,
                  peer=src)
 
 
@@ -357,5 +424,5 @@ def batch_isend_irecv(ops, group=None) -> list:
                                     for kind, tensor, peer, tag in ops])
     if len(works) != len(ops):  # NCCL coalesces the group into one work, done when all of it is
         works = [works[-1]] * len(ops)
-    return [_call(kind, _nbytes(tensor), group, lambda work=work: work, True, peer=peer)
+    return [_call(kind, _nbytes(tensor), group, lambda a, work=work: work, True, peer=peer)
             for (kind, tensor, peer, _), work in zip(ops, works)]

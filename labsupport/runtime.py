@@ -239,6 +239,9 @@ def _destroy_world() -> None:
     ZeroRedundancyOptimizer's and ShardedGradScaler's defaults if a script imports them
     inside the block, or user code. Once the threads are gone, Work objects the script still
     holds are freed later by the main thread, which may take the GIL even during shutdown.
+    labsupport.comm leaves no such work to the threads in the first place (a call, or an async
+    call's wait(), returns once its gloo work is freed), which is what keeps a user's script that
+    exits without this function, with the group's threads still running, from aborting.
     """
     dist.barrier()  # no rank tears down while a peer still needs it; all work has finished
     world = weakref.ref(dist.group.WORLD)

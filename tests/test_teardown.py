@@ -6,6 +6,11 @@ takes `group=group.WORLD` as a default argument, and torch imports it lazily whe
 optimizer is built), the threads run on into interpreter shutdown, where one that frees a
 finished all-reduce needs the GIL and the process aborts (SIGABRT, "terminate called without an
 active exception") after all the work succeeded. The abort is a race; "the group is freed" is not.
+
+A user's own script has no labsupport.init() to free the group, and building an optimizer pins
+it: there the threads always run into shutdown, and what keeps such a script from aborting is
+that nothing of ours leaves them a work to free. That is tested, with a user's script run many
+times, in test_ddp_library.py.
 """
 import io
 import json

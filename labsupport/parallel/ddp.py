@@ -8,14 +8,22 @@ the same optimizer step, as if one device had seen the whole batch.
 * `flat`: after backward, all gradients copied into one buffer and all-reduced at once.
   One big message, but communication starts only when backward has finished.
 * `bucketed` (the default, what torch's DistributedDataParallel does): a hook on each
-  parameter fires when its gradient is complete; gradients fill buckets in reverse parameter
-  order (roughly the order backward produces them), and a full bucket is all-reduced
-  asynchronously at once, so communication overlaps the rest of backward.
+  parameter fires when its gradient is complete; gradients fill buckets of `bucket_mb` in
+  reverse parameter order (roughly the order backward produces them), and a full bucket is
+  all-reduced asynchronously at once, so communication overlaps the rest of backward.
+  `bucket_mb=0` gives every parameter a bucket of its own (naive's messages, each sent as soon
+  as its gradient is complete); `bucket_mb=None` (or `math.inf`) one bucket for all, sent
+  when backward has produced the last gradient (flat's message, through the hooks).
 
 `DataParallel` is a library object, like torch's DDP: wrap any module for any process group
 (the world, or one DP group of a larger grid), call it, `loss.backward()`, then
 `finish_gradient_synchronization()`; `close()` removes its hooks. `DataParallelStep` is the
-step of the composition (compose.py) that puts it on the model chunks.
+step of the composition (compose.py) that puts it on the model chunks. As with torch's DDP, the
+script keeps the wrapper while it trains: the module and the gradient hooks hold it only weakly,
+so dropping it frees it, with its buckets and its reference to the group, by reference counting
+alone (and removes its hooks). Nothing is left for the cycle collector, or for interpreter
+shutdown: `finish_gradient_synchronization()` returns once the group's backend has let go of the
+step's communication too (see `comm`).
 
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
 `param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
@@ -25,7 +33,10 @@ from the output, as torch's does, and one small all-reduce per step agrees on wh
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -99,7 +110,7 @@ class Bucket:
         self.work = comm.all_reduce(self.buffer, "avg", group=self.group, async_op=True, bucket=self.index)
 
     def finish(self) -> None:
-        """Wait for the all-reduce and copy the averaged gradients back."""
+        """Wait for the all-reduce (comm returns once gloo has freed it) and copy the averaged gradients back."""
         if self.work is not None:
             self.work.wait()
             for p, view in self._views():
@@ -107,6 +118,48 @@ class Bucket:
                     p.grad.view(-1).copy_(view)
         self.work = None
         self.ready.clear()
+
+
+def bucket_bytes(bucket_mb) -> float:
+    """A bucket's size limit in bytes: a bucket closes once it holds at least this many.
+
+    `bucket_mb=0`: every parameter in a bucket of its own, so each gradient is all-reduced as soon
+    as it is complete (naive's messages, overlapped with backward); `None` or `math.inf`: one
+    bucket holding every gradient, sent when backward has produced the last of them.
+    """
+    if bucket_mb is None:
+        return math.inf
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not bucket_mb >= 0:
+        raise ValueError("DataParallel(bucket_mb=...) must be a size in MB >= 0 (0: a bucket per parameter), "
+                         f"or None or math.inf for one bucket holding every gradient; got {bucket_mb!r}")
+    return math.inf if math.isinf(bucket_mb) else int(bucket_mb * 2**20)
+
+
+def _hook(wrapper: DataParallel, index: int, key: int):
+    """The gradient hook of the parameter `key` of bucket `index`, which holds its wrapper weakly.
+
+    autograd keeps a parameter's hooks in C++, where the cycle collector cannot see them: a hook
+    that held the wrapper (or a bucket, or the module), all of which hold the parameter, would keep
+    them alive until the process ends, the group the wrapper uses with them.
+    """
+    wrapper = weakref.ref(wrapper)
+
+    def on_grad_ready(param):  # the parameter, whose .grad is now complete
+        ddp = wrapper()
+        if ddp is not None and ddp.sync:
+            ddp._mark_ready(ddp.buckets[index], key)
+    return on_grad_ready
+
+
+def _remove_hooks(module_ref, hooks) -> None:
+    """Remove a wrapper's hooks, and the module's (now dead) reference to it (close, or the wrapper freed)."""
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    module = module_ref()
+    wrapper = module.__dict__.get("_data_parallel") if module is not None else None
+    if wrapper is not None and wrapper() is None:
+        del module.__dict__["_data_parallel"]
 
 
 class DataParallel(torch.nn.Module):
@@ -119,23 +172,24 @@ class DataParallel(torch.nn.Module):
 
     On construction the group's first rank's parameters and buffers are broadcast, so the
     replicas start identical (`broadcast_init=False` checks that they already are instead).
-    Wrapping a module again replaces the earlier wrapper and removes its hooks, so a notebook
-    cell run twice does not all-reduce twice. `own_bucket` parameters travel in a bucket of their
+    `bucket_mb`: 0 for a bucket per parameter, None (or math.inf) for one bucket (see the
+    module docstring). Wrapping a module again replaces the earlier wrapper and removes its
+    hooks, so a notebook cell run twice does not all-reduce twice; so does dropping the
+    wrapper, which nothing else keeps alive. `own_bucket` parameters travel in a bucket of their
     own: two wrappers on different modules then cut a parameter they share alike (a pipeline's
     tied embedding on its first and last stage, whose ZeRO shards must be the same elements).
     """
 
-    def __init__(self, module: torch.nn.Module, group=None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 find_unused_parameters: bool = False, broadcast_init: bool = True, own_bucket=()):
+    def __init__(self, module: torch.nn.Module, group=None, *, mode: str = "bucketed",
+                 bucket_mb: float | None = 25.0, find_unused_parameters: bool = False, broadcast_init: bool = True,
+                 own_bucket=()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"DataParallel(mode=...) must be one of {', '.join(MODES)}, got {mode!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"DataParallel(bucket_mb=...) must be > 0, got {bucket_mb!r}")
+        self.bucket_bytes = bucket_bytes(bucket_mb)
         if find_unused_parameters and mode != "bucketed":
             raise ValueError("DataParallel(find_unused_parameters=True) needs mode='bucketed'")
         self.module, self.group, self.mode = module, group, mode
-        self.bucket_bytes = int(bucket_mb * 2**20)
         self.find_unused_parameters = find_unused_parameters
         self.own_bucket = {id(p) for p in own_bucket}
         self.sync = True
@@ -145,9 +199,14 @@ class DataParallel(torch.nn.Module):
         self._warned = False
         self._names = {id(p): name for name, p in module.named_parameters()}
         previous = module.__dict__.get("_data_parallel")
-        if previous is not None:
+        previous = previous() if previous is not None else None
+        if previous is not None and previous.module is module:  # (a deep copy of a wrapped module copies the reference)
             previous.close()
-        module.__dict__["_data_parallel"] = self  # not a submodule: no cycle in state_dict
+        # Weak, like the hooks' references (see _hook): the wrapper holds the module, never the
+        # reverse, so dropping the wrapper frees it (and its group) at once; this removes its hooks.
+        module.__dict__["_data_parallel"] = weakref.ref(self)  # not a submodule: no cycle in state_dict
+        self._unhook = weakref.finalize(self, _remove_hooks, weakref.ref(module), self._hooks)
+        self._unhook.atexit = False
         if broadcast_init:  # replicas must start identical: the group's first rank's values win
             for tensor in [*module.parameters(), *module.buffers()]:
                 comm.broadcast(tensor.data, src=first_rank(group), group=group)
@@ -175,17 +234,11 @@ class DataParallel(torch.nn.Module):
             self.buckets.append(self._new_bucket(current, len(self.buckets)))
         for bucket in self.buckets:
             for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, id(p))))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(self, bucket.index, id(p))))
 
     def _new_bucket(self, params, index: int) -> Bucket:
         """A bucket of this wrapper (ZeRO-2 makes ones that reduce-scatter instead)."""
         return Bucket(params, index, self.group)
-
-    def _hook(self, bucket: Bucket, key: int):
-        def on_grad_ready(param):  # the parameter, whose .grad is now complete
-            if self.sync:
-                self._mark_ready(bucket, key)
-        return on_grad_ready
 
     def _mark_ready(self, bucket: Bucket, key: int):
         """Launch full buckets strictly in bucket order: every rank then issues the same
@@ -228,9 +281,11 @@ class DataParallel(torch.nn.Module):
                 if p.grad is not None:
                     comm.all_reduce(p.grad, "avg", group=self.group)
         elif self.mode == "flat":  # one bucket holding every gradient, sent after backward
-            bucket = Bucket([p for p in self._trainable() if p.grad is not None], 0, self.group)
-            bucket.launch()
-            bucket.finish()
+            params = [p for p in self._trainable() if p.grad is not None]
+            if params:
+                bucket = Bucket(params, 0, self.group)
+                bucket.launch()
+                bucket.finish()
         else:
             if self.find_unused_parameters:
                 self._agree_on_used(self._trainable())
@@ -243,6 +298,8 @@ class DataParallel(torch.nn.Module):
     def _agree_on_used(self, params):
         """Which parameters got a gradient on any rank: those are averaged (zero where missing),
         the ones used nowhere keep no gradient, exactly as on one device."""
+        if not params:
+            return
         used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
         comm.all_reduce(used, "max", group=self.group)
         for p, u in zip(params, used.tolist()):
@@ -270,12 +327,11 @@ class DataParallel(torch.nn.Module):
             bucket.launch()
 
     def close(self) -> None:
-        """Remove the gradient hooks; the module trains alone again."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        if self.module.__dict__.get("_data_parallel") is self:
+        """Remove the gradient hooks; the module trains alone again. Dropping the wrapper does the same."""
+        wrapper = self.module.__dict__.get("_data_parallel")
+        if wrapper is not None and wrapper() is self:
             del self.module.__dict__["_data_parallel"]
+        self._unhook()
 
     def __enter__(self):
         return self
