@@ -1,4 +1,7 @@
-"""Shared test helpers: run the CLI, find processes a run left behind and the sockets they listen on."""
+"""Shared test helpers: run the CLI, find processes a run left behind and the sockets they listen on.
+(Training a configuration and comparing it with `single`: harness.py.)"""
+import contextlib
+import io
 import ipaddress
 import os
 import re
@@ -26,6 +29,20 @@ def pytest_configure(config):
 def _runs_in_tmp(tmp_path, monkeypatch):
     """Every test writes its run directories under its own tmp dir."""
     monkeypatch.setenv("LABSUPPORT_RUNS", str(tmp_path / "runs"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _harness_dir(tmp_path_factory):
+    """The harness's runs (one per configuration and session) live in one directory of the session."""
+    import harness
+    harness.WORKDIR = tmp_path_factory.mktemp("harness")
+
+
+def pytest_terminal_summary(terminalreporter):
+    harness = sys.modules.get("harness")
+    if harness is not None and harness.LAUNCHES:
+        terminalreporter.write_line(f"harness: {len(harness.LAUNCHES)} launches of labsupport train, "
+                                    f"{len(harness.REUSED)} more requests answered by the session's runs")
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +73,20 @@ def run_cli(*args, timeout=300, env=None):
     """`labsupport ARGS...` in a subprocess; returns the CompletedProcess (text)."""
     return subprocess.run([sys.executable, "-m", "labsupport.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def refused(*args) -> subprocess.CompletedProcess:
+    """`labsupport ARGS...` for arguments the CLI must refuse before any rank starts, run in this
+    process (the same `main` as `python -m labsupport.cli`, without a fresh interpreter's ~1.5 s of
+    importing torch). An exception escaping `main` fails the test as a traceback would."""
+    from labsupport.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([*map(str, args)])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return subprocess.CompletedProcess(["labsupport", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def pytest_sessionfinish(session, exitstatus):

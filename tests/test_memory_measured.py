@@ -7,13 +7,13 @@ which stores no attention scores: Korthikanti's 5 a s / h term drops out, as und
 recomputation, so the prediction is `recompute="selective"`. What remains differs from the
 measurement by the LM head's logits (not a transformer layer), the padding of ZeRO's flat
 buffers and Adam's step counters: a few percent. One run per stage, each preset once; the runs
-are test_zero's (its `train` caches them), so the nano ones cost nothing more in a full session.
+are the harness's (one per configuration and session), so the nano ones cost nothing more in a full session.
 """
 import pytest
 
 from labsupport.estimate.memory import estimate_memory
 from labsupport.model import PRESETS
-from test_zero import train
+from harness import train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -29,9 +29,8 @@ def predicted(summary, zero: int) -> dict:
 
 @pytest.mark.parametrize("strategy, zero, preset", [
     ("ddp", 0, "nano"), ("zero1", 1, "nano"), ("zero2", 2, "micro"), ("zero3", 3, "mini")])
-def test_prediction_within_10_percent_of_the_measurement(tmp_path_factory, strategy, zero, preset):
-    extra = ["--model", preset] if preset != "nano" else []  # nano is test_zero's default: the same cached runs
-    summary, _ = train(tmp_path_factory, strategy, 2, *extra)
+def test_prediction_within_10_percent_of_the_measurement(strategy, zero, preset):
+    summary = train(strategy, 2, "--model", preset)  # nano: the runs test_ddp and test_zero compare with single
     assert summary["model"]["name"] == preset and summary["world_size"] == 2
     want = predicted(summary, zero)
     for rank, measured in enumerate(summary["memory"]):

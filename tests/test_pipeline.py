@@ -3,17 +3,16 @@ on 2 and 4 stages gives the dense model's loss, every gradient (each stage's par
 embedding's two copies), the global norm, evaluation loss and logits; each stage runs its
 schedule's actions in order; `labsupport train` gives `single`'s losses step by step, for `pp`
 and torch's pipelining (`torch-pp`); bad settings are refused before any rank starts."""
-import json
 import textwrap
 
 import pytest
 
-from conftest import planted_copy, run_cli
+from conftest import planted_copy, refused
+from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, single, train
 from labsupport.estimate.schedules import schedule
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
 from labsupport.model import ModelConfig
-from test_ddp import COMMON, assert_same_as_single
 
 # ---------------------------------------------------------------- library level: the dense model beside the stages
 
@@ -153,41 +152,31 @@ def test_planted_bugs_are_caught(tmp_path, bug):
 
 # ---------------------------------------------------------------- the CLI: `labsupport train --strategy pp --json`
 
-def train(tmp_path, strategy, nproc, *extra, common=COMMON):
-    res = run_cli("train", "--strategy", strategy, "--nproc", nproc, "--json", *common,
-                  "--checkpoint-dir", tmp_path / "ckpt", *extra)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), "single", 1, "--micro-batch", "2")
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, order", [("pp", "1f1b"), ("pp", "gpipe"), ("torch-pp", "1f1b"),
                                              ("torch-pp", "gpipe")])
-def test_training_on_two_stages_matches_single_step_by_step(tmp_path, single, strategy, order):
-    out = train(tmp_path, strategy, 2, "--pp", "2", "--schedule", order, "--microbatches", "4")
+def test_training_on_two_stages_matches_single_step_by_step(strategy, order):
+    out = train(strategy, 2, "--pp", "2", "--schedule", order, "--microbatches", "4")
     assert out["parallel"]["pp"] == 2 and out["micro_batch"] == 2
-    assert_same_as_single(out, single)
-    assert out["val_losses"][-1][1] == pytest.approx(single["val_losses"][-1][1], abs=1e-5)
-    assert set(out["comm_groups"][0]) <= {"pp", "embedding"}, "a pipeline talks within its PP group only"
+    assert_same_as_single(out, single())
+    assert_traffic_in(out, {"pp", "embedding"})  # a pipeline talks within its PP group only
     if strategy == "pp":  # the last step, action by action, for a measured Gantt chart
         for rank, events in enumerate(out["pipeline_events"]):
             expected = [(a.op, a.microbatch, a.chunk) for a in schedule(order, 2, 4)[rank]]
             assert [tuple(e[2:]) for e in events] == expected
 
 
-MICRO = ["--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
-         "--eval-batches", "1"]
-
-
-@pytest.fixture(scope="module")
-def single_micro(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), "single", 1, "--micro-batch", "2", common=MICRO)
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_planted_tied_matrix_counted_twice_fails_the_comparison_with_single(tmp_path):
+    """The tied embedding/head matrix lives on the first and on the last stage; its gradient,
+    summed over the two, must count once in the norm. Counted on both stages, the norm is too
+    large, and clipping to norm 1 then shrinks the gradients too much: losses and norms differ."""
+    env = planted(tmp_path, "tied matrix counted twice in the norm")
+    out = train("pp", 2, "--pp", "2", "--microbatches", "4", env=env)
+    with pytest.raises(AssertionError, match="^losses differ"):
+        assert_same_as_single(out, single())
 
 
 @pytest.mark.slow
@@ -197,12 +186,9 @@ def single_micro(tmp_path_factory):
     ("pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
     ("torch-pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
 ])
-def test_training_on_four_layers_matches_single(tmp_path, single_micro, strategy, nproc, extra):
-    out = train(tmp_path, strategy, nproc, "--pp", nproc, "--microbatches", "4", *extra, common=MICRO)
-    diffs = [abs(a - b) for a, b in zip(out["losses"], single_micro["losses"])]
-    assert len(out["losses"]) == 6 and max(diffs) <= 1e-5, diffs
-    norms = [abs(a - b) / b for a, b in zip(out["grad_norms"], single_micro["grad_norms"])]
-    assert max(norms) <= 1e-4, norms
+def test_training_on_four_layers_matches_single(strategy, nproc, extra):
+    out = train(strategy, nproc, "--pp", nproc, "--microbatches", "4", *extra, settings=MICRO)
+    assert_same_as_single(out, single("--micro-batch", "2", settings=MICRO))
 
 
 # ---------------------------------------------------------------- bad settings: one line, before any rank starts
@@ -229,7 +215,7 @@ def test_training_on_four_layers_matches_single(tmp_path, single_micro, strategy
     (["--nproc", "2"], "strategy 'pp' splits over pp only, so --dp must be 1 (got 2)"),
 ])
 def test_bad_pipeline_arguments_fail_before_start(tmp_path, args, message):
-    res = run_cli("train", "--strategy", "pp", "--model", "nano", *args)
+    res = refused("train", "--strategy", "pp", "--model", "nano", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists(), "no rank started"
 
@@ -238,7 +224,7 @@ def test_resuming_with_another_pipeline_degree_is_refused(tmp_path):
     from labsupport import checkpoint
     layout = {**ParallelConfig.build(2, "pp", pp=2).layout(), "world_size": 2}
     checkpoint.save(tmp_path / "ckpt", 4, 0, {"step": 4}, barrier=lambda: None, layout=layout)
-    res = run_cli("train", "--strategy", "pp", "--model", "micro", "--nproc", "4", "--pp", "4", "--resume",
+    res = refused("train", "--strategy", "pp", "--model", "micro", "--nproc", "4", "--pp", "4", "--resume",
                   "--checkpoint-dir", tmp_path / "ckpt")
     assert res.returncode == 2 and "written by pp on 2 rank(s) (dp 1, tp 1, pp 2" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

@@ -1,15 +1,14 @@
 """Tensor parallelism is proven against the dense model: the same logits, loss and every gradient
 (each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism; the same
 training losses as `single` through `labsupport train`; and bad degrees refused before any start."""
-import json
 import textwrap
 
 import pytest
 
-from conftest import planted_copy, run_cli
+from conftest import planted_copy, refused
+from harness import assert_same_as_single, assert_traffic_in, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
 from labsupport.launch import launch
-from test_ddp import COMMON, assert_same_as_single
 
 pytestmark = pytest.mark.multiprocess
 
@@ -129,18 +128,6 @@ def test_planted_bugs_are_caught(tmp_path, bug):
 
 # ---------------------------------------------------------------- the CLI: `labsupport train --strategy tp --json`
 
-def train(tmp_path, strategy, nproc, *extra):
-    res = run_cli("train", "--strategy", strategy, "--nproc", nproc, "--json", *COMMON,
-                  "--checkpoint-dir", tmp_path / "ckpt", *extra)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), "single", 1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, nproc, extra", [
     ("tp", 2, ["--tp", "2"]),
@@ -148,11 +135,11 @@ def single(tmp_path_factory):
     ("tp", 4, ["--tp", "4", "--sequence-parallel"]),
     ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"]),
 ])
-def test_training_matches_single_step_by_step(tmp_path, single, strategy, nproc, extra):
-    out = train(tmp_path, strategy, nproc, *extra)
+def test_training_matches_single_step_by_step(strategy, nproc, extra):
+    out = train(strategy, nproc, *extra)
     assert out["parallel"]["tp"] == nproc and out["parallel"]["dp"] == 1
-    assert_same_as_single(out, single)
-    assert set(out["comm_groups"][0]) <= {"tp"}, "tensor parallelism talks within its TP group only"
+    assert_same_as_single(out, single())
+    assert_traffic_in(out, {"tp"})  # tensor parallelism talks within its TP group only
 
 
 @pytest.mark.parametrize("args, message", [
@@ -163,5 +150,5 @@ def test_training_matches_single_step_by_step(tmp_path, single, strategy, nproc,
     (["--tp", "2", "--nproc", "4", "--dp", "2"], "strategy 'tp' splits over tp only, so --dp must be 1 (got 2)"),
 ])
 def test_bad_tensor_parallel_arguments_fail_before_start(args, message):
-    res = run_cli("train", "--strategy", "tp", "--model", "nano", *args)
+    res = refused("train", "--strategy", "tp", "--model", "nano", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr

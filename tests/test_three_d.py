@@ -14,64 +14,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import refused, run_cli
+from harness import MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, single, train
 from labsupport import checkpoint
 from labsupport.estimate.schedules import schedule
 from labsupport.estimate.tp_comm import total, tp_comm
 from labsupport.parallel import ParallelConfig
 from labsupport.parallel.mesh import Mesh
 
-# nano: 2 layers (one per stage at pp 2), 4 heads and hidden 64 (tp 2 divides them), vocabulary 64
-COMMON = ["--model", "nano", "--steps", "10", "--global-batch", "8", "--sample-chars", "12", "--eval-batches", "1"]
-_RUNS: dict = {}
-
-
-def train(tmp_path_factory, nproc, *extra):
-    """`labsupport train --json` once per configuration in this module: (summary, checkpoint dir)."""
-    key = (nproc, *extra)
-    if key not in _RUNS:
-        ckpt = tmp_path_factory.mktemp("ckpt")
-        strategy = ["--strategy", "single"] if nproc == 1 else ["--strategy", "3d"]
-        res = run_cli("train", *strategy, "--nproc", nproc, "--json", *COMMON, "--checkpoint-dir", ckpt, *extra)
-        assert res.returncode == 0, res.stderr[-3000:]
-        _RUNS[key] = json.loads(res.stdout.splitlines()[-1]), ckpt
-    return _RUNS[key]
-
-
-def run_json(strategy, nproc, *args, env=None):
-    """One uncached run of `labsupport train --json`."""
-    res = run_cli("train", "--strategy", strategy, "--nproc", nproc, "--json", *args, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return train(tmp_path_factory, 1)[0]
-
-
-def assert_same_as_single(out, ref):
-    """Losses within 1e-5 and the global gradient norm within 1e-4 relative at every step; the same
-    validation loss, and the same sampled text (full logits on every rank: the vocabulary shards
-    gathered over TP, then broadcast from the last stage)."""
-    assert len(out["losses"]) == len(ref["losses"]) == 10
-    diffs = [abs(a - b) for a, b in zip(out["losses"], ref["losses"])]
-    assert max(diffs) <= 1e-5, diffs
-    norms = [abs(a - b) / b for a, b in zip(out["grad_norms"], ref["grad_norms"])]
-    assert max(norms) <= 1e-4, norms
-    assert out["val_losses"][-1][1] == pytest.approx(ref["val_losses"][-1][1], abs=1e-5)
-    assert out["sample"] == ref["sample"]
-
-
-GRID = ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2", "--checkpoint-every", "5"]
+GRID = ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_by_two_by_two_with_zero1_matches_single(tmp_path_factory, single):
-    out, _ = train(tmp_path_factory, 8, *GRID)
+def test_two_by_two_by_two_with_zero1_matches_single():
+    out = train("3d", 8, *GRID, settings=NANO_10)
     assert (out["parallel"]["dp"], out["parallel"]["tp"], out["parallel"]["pp"], out["parallel"]["zero"]) == (2, 2, 2, 1)
-    assert_same_as_single(out, single)
+    # the sampled text too: full logits on every rank (the vocabulary shards gathered over TP, then
+    # broadcast from the last stage)
+    assert_same_as_single(out, single(settings=NANO_10))
 
 
 @pytest.mark.multiprocess
@@ -80,17 +41,12 @@ def test_two_by_two_by_two_with_zero1_matches_single(tmp_path_factory, single):
     ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--schedule", "gpipe", "--microbatches", "2"],
     ["--dp", "2", "--tp", "2", "--pp", "1", "--microbatches", "2"],                      # DP x TP, accumulating
 ], ids=["1x2x2", "2x1x2-zero1", "2x2x1"])
-def test_grids_without_one_axis_match_single(tmp_path_factory, single, extra):
-    out, _ = train(tmp_path_factory, 4, *extra)
-    assert_same_as_single(out, single)
+def test_grids_without_one_axis_match_single(extra):
+    out = train("3d", 4, *extra, settings=NANO_10)
+    assert_same_as_single(out, single(settings=NANO_10))
     degrees = {axis: int(extra[extra.index(f"--{axis}") + 1]) for axis in ("dp", "tp", "pp")}
     used = {axis for axis, degree in degrees.items() if degree > 1} | ({"embedding"} if degrees["pp"] > 1 else set())
-    for rank, groups in enumerate(out["comm_groups"]):
-        assert set(groups) == used, (rank, "an axis of degree 1 carries nothing")
-
-
-MICRO = ["--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
-         "--eval-batches", "1"]
+    assert_traffic_in(out, used, exact=True)  # an axis of degree 1 carries nothing
 
 
 @pytest.mark.slow
@@ -98,13 +54,9 @@ MICRO = ["--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch"
 def test_interleaved_schedule_syncs_each_chunk_in_its_last_backward():
     """micro's 4 layers as 2 chunks per stage: each chunk's gradients are final after its own last
     backward, where DP's buckets go out; ZeRO-1 still matches single."""
-    ref = run_json("single", 1, "--micro-batch", "2", *MICRO)
-    out = run_json("3d", 4, "--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved",
-                   "--chunks", "2", "--microbatches", "2", *MICRO)
-    diffs = [abs(a - b) for a, b in zip(out["losses"], ref["losses"])]
-    assert len(out["losses"]) == 6 and max(diffs) <= 1e-5, diffs
-    norms = [abs(a - b) / b for a, b in zip(out["grad_norms"], ref["grad_norms"])]
-    assert max(norms) <= 1e-4, norms
+    out = train("3d", 4, "--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved", "--chunks", "2",
+                "--microbatches", "2", settings=MICRO)
+    assert_same_as_single(out, single("--micro-batch", "2", settings=MICRO))
     assert out["comm_groups"][0]["dp"]["reduce_scatter"]["calls"] == 2, "once per step, not per micro-batch"
 
 
@@ -119,33 +71,33 @@ ddp.DataParallel.__init__ = __init__
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_planted_tied_matrix_in_a_shared_bucket_is_caught(tmp_path, single):
+def test_planted_tied_matrix_in_a_shared_bucket_is_caught(tmp_path):
     """Without a bucket of its own, ZeRO-1 cuts the tied matrix differently on the first and the last
     stage, so the embedding group adds one stage's averaged shard to the other's unaveraged gradient.
     (Planted through a sitecustomize that every rank imports.)"""
     (tmp_path / "sitecustomize.py").write_text(PLANTED)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    out = run_json("3d", 8, *COMMON, *GRID[:-2], env=env)
-    assert max(abs(a - b) for a, b in zip(out["losses"], single["losses"])) > 1e-4
+    out = train("3d", 8, *GRID, settings=NANO_10, env=env)
+    with pytest.raises(AssertionError, match="^losses differ"):  # by more than 1e-4
+        assert_same_as_single(out, single(settings=NANO_10), loss_tol=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_each_group_carries_only_its_own_traffic(tmp_path_factory, single):
+def test_each_group_carries_only_its_own_traffic():
     """The last step of the 2 x 2 x 2 run, per rank and group: TP all-reduces inside TP groups,
     sends and receives between neighbouring stages of one pipeline, ZeRO-1's reduce-scatter and
     all-gather inside DP groups, one all-reduce of the tied matrix per embedding group; besides,
     each of the three axes carries the norm's one float64 all-reduce."""
-    out, _ = train(tmp_path_factory, 8, *GRID)
+    out = train("3d", 8, *GRID, settings=NANO_10)
+    assert_traffic_in(out, {"tp", "pp", "dp", "embedding"}, exact=True)
     m, micro, seq, hidden, vocab = 2, 2, 64, 64, 64
     activation = micro * seq * hidden * 4
     norm = {"calls": 1, "payload_bytes": 8}
-    for rank, groups in enumerate(out["comm_groups"]):
+    for rank in range(8):
         mesh = Mesh(2, 2, 2, rank)
         first, last = mesh.is_first_stage, mesh.is_last_stage
-        ops = {group: {op: {k: c[k] for k in ("calls", "payload_bytes")} for op, c in by_op.items()}
-               for group, by_op in groups.items()}
-        assert set(ops) == {"tp", "pp", "dp", "embedding"}, rank
+        ops = group_traffic(out, rank)
         assert set(ops["tp"]) == {"all_reduce"}
         predicted = total(tp_comm(1, hidden, seq, micro, microbatches=m, embedding=first, head=last), 2)
         assert ops["tp"] == {op: {k: c[k] for k in ("calls", "payload_bytes")} for op, c in predicted.items()}, rank
@@ -167,13 +119,13 @@ def test_each_group_carries_only_its_own_traffic(tmp_path_factory, single):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_killed_run_resumes_bit_identically(tmp_path_factory, tmp_path):
+def test_a_killed_run_resumes_bit_identically(tmp_path):
     """Every rank checkpoints its TP shard of its stage and its ZeRO-1 shard of the Adam moments;
     a run killed (SIGKILL to the whole launch) after its step-5 checkpoint and resumed reports the
     same 10 losses and norms as the run that never stopped, bit for bit."""
-    full, _ = train(tmp_path_factory, 8, *GRID)
+    full = train("3d", 8, *GRID, settings=NANO_10)
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "labsupport.cli", "train", "--strategy", "3d", "--nproc", "8", "--json", *COMMON,
+    cmd = [sys.executable, "-m", "labsupport.cli", "train", "--strategy", "3d", "--nproc", "8", "--json", *NANO_10,
            *GRID, "--checkpoint-dir", str(ckpt)]
     victim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240  # a bound against a hang, not a speed check
@@ -183,7 +135,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path_factory, tmp_path):
     os.killpg(victim.pid, signal.SIGKILL)  # the whole launch, mid-run, no cleanup
     victim.wait()
     assert checkpoint.latest(ckpt) == 5, "the run finished before it could be killed"
-    res = run_cli("train", "--strategy", "3d", "--nproc", 8, "--json", *COMMON, *GRID, "--checkpoint-dir", ckpt,
+    res = run_cli("train", "--strategy", "3d", "--nproc", 8, "--json", *NANO_10, *GRID, "--checkpoint-dir", ckpt,
                   "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = json.loads(res.stdout.splitlines()[-1])
@@ -206,7 +158,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path_factory, tmp_path):
      "strategy '3d' does not combine --sequence-parallel yet"),
 ])
 def test_bad_grids_fail_before_start(tmp_path, args, message):
-    res = run_cli("train", "--strategy", "3d", "--model", "nano", *args, "--run-dir", tmp_path / "run")
+    res = refused("train", "--strategy", "3d", "--model", "nano", *args, "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "no rank started"
 

@@ -14,7 +14,8 @@ from labsupport import checkpoint, train
 from labsupport.estimate.params import count_params
 from labsupport.model import PRESETS
 from labsupport.train import build_parser, lr_at
-from conftest import run_cli
+from conftest import refused, run_cli
+from harness import single
 
 NANO = ["--model", "nano", "--global-batch", "8", "--sample-chars", "40", "--eval-batches", "1"]
 
@@ -100,14 +101,22 @@ def test_an_unfinished_checkpoint_is_ignored(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
 ])
 def test_bad_train_arguments_fail_fast_with_one_line(args, message, tmp_path):
-    res = run_cli("train", *args, "--run-dir", tmp_path / "run")
+    res = refused("train", *args, "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists(), "refused before any rank started"
 
 
+def test_a_refusal_is_the_process_exit_status_and_one_line(tmp_path):
+    """The tests above and the strategy files' run the CLI's `main` in the test's process; the
+    command itself exits 2 with the same one line, and no traceback."""
+    res = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--bucket-mb", "0", "--run-dir", tmp_path / "run")
+    assert res.returncode == 2 and res.stderr == "labsupport train: error: --bucket-mb must be > 0, got 0\n", res.stderr
+    assert res.stdout == "" and not (tmp_path / "run").exists()
+
+
 def test_several_mistakes_get_a_line_each():
-    res = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--pp", "2", "--bucket-mb", "0")
+    res = refused("train", "--strategy", "ddp", "--nproc", "2", "--pp", "2", "--bucket-mb", "0")
     lines = res.stderr.splitlines()
     assert res.returncode == 2 and len(lines) == 2, res.stderr
     assert "--pp must be 1" in lines[0] and "--bucket-mb must be > 0" in lines[1]
@@ -115,11 +124,10 @@ def test_several_mistakes_get_a_line_each():
 
 @pytest.mark.multiprocess
 def test_resume_on_another_layout_is_refused_before_start(tmp_path):
-    train_json("--strategy", "single", "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", tmp_path / "c")
-    assert checkpoint.layout(tmp_path / "c", 4) == {"strategy": "single", "dp": 1, "tp": 1, "pp": 1, "zero": 0,
-                                                     "world_size": 1}
-    res = run_cli("train", "--strategy", "ddp", "--nproc", "2", *NANO, "--steps", "8", "--checkpoint-dir",
-                  tmp_path / "c", "--resume", "--run-dir", tmp_path / "run")
+    ckpt = single().checkpoint_dir  # the strategy files' reference run (read here, never written)
+    assert checkpoint.layout(ckpt, 20) == {"strategy": "single", "dp": 1, "tp": 1, "pp": 1, "zero": 0, "world_size": 1}
+    res = refused("train", "--strategy", "ddp", "--nproc", "2", *NANO, "--steps", "8", "--checkpoint-dir", ckpt,
+                  "--resume", "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert ("written by single on 1 rank(s) (dp 1, tp 1, pp 1, zero 0), this run is ddp on 2 rank(s) "
             "(dp 2, tp 1, pp 1, zero 0)") in res.stderr
@@ -152,6 +160,6 @@ def test_train_parser_defaults_match_the_contract():
 
 @pytest.mark.multiprocess
 def test_bf16_autocast_trains_on_cpu():
-    out = train_json("--strategy", "single", "--steps", "6", "--dtype", "bf16", "--sample-chars", "0")
-    assert len(out["losses"]) == 6 and all(0 < loss < 10 for loss in out["losses"])
+    out = single("--dtype", "bf16")  # the reference test_zero's bf16 run follows
+    assert len(out["losses"]) == 20 and all(0 < loss < 10 for loss in out["losses"])
     assert out["dtype"] == "bf16" and out["memory"][0]["activations"] > 0

@@ -1,57 +1,48 @@
 """The references our ZeRO is measured against (torch-zero1, torch-fsdp, accelerate-fsdp) are proven
 like it: same losses and gradient norms as `single`, and the memory each claims to divide, divided."""
-import json
-import shutil
 import textwrap
 
 import pytest
 
-from conftest import run_cli
-from labsupport import checkpoint
+from conftest import refused
+from harness import assert_same_as_single, resume, single, train
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
-from test_ddp import COMMON, assert_same_as_single
-from test_zero import _RUNS, train
-from test_zero import single  # noqa: F401  (the fixture: one `single` run, shared with test_zero)
 
 pytestmark = pytest.mark.multiprocess
 
-
-EVERY_10 = ["--checkpoint-every", "10"]  # (these runs are resumed below)
 
 # Each reference on 2 and on 4 ranks, once with and once without gradient accumulation
 # (the whole cross product would not fit the CPU budget of the suite), and Accelerate's other two shardings.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, nproc, extra", [
-    ("torch-zero1", 2, EVERY_10),
+    ("torch-zero1", 2, []),
     ("torch-zero1", 4, ["--micro-batch", "1"]),      # 2 accumulation steps under DDP's no_sync
     ("torch-fsdp", 2, ["--micro-batch", "2"]),       # a reduce-scatter per micro-batch, added into the shard
     ("torch-fsdp", 4, []),
-    ("accelerate-fsdp", 2, EVERY_10),                # FULL_SHARD, the default
+    ("accelerate-fsdp", 2, []),                      # FULL_SHARD, the default
     ("accelerate-fsdp", 4, ["--micro-batch", "1"]),  # FSDP's no_sync
     ("accelerate-fsdp", 2, ["--zero", "2"]),         # SHARD_GRAD_OP
     ("accelerate-fsdp", 2, ["--zero", "0"]),         # NO_SHARD (the run the memory test reads too)
 ])
-def test_reference_matches_single_step_by_step(tmp_path_factory, single, strategy, nproc, extra):  # noqa: F811
-    ref, ref_params = single
-    out, params = train(tmp_path_factory, strategy, nproc, *extra)
+def test_reference_matches_single_step_by_step(strategy, nproc, extra):
+    out = train(strategy, nproc, *extra)
     stage = int(extra[1]) if extra[:1] == ["--zero"] else {"torch-zero1": 1}.get(strategy, 3)
     assert out["world_size"] == nproc and out["parallel"]["zero"] == stage
-    if strategy == "torch-fsdp":  # rank 0's file holds its rows of each tensor (Shard(0)): the first ones
-        ref_params = {name: p[:params[name].shape[0]] for name, p in ref_params.items()}
-    assert_same_as_single(out, ref, ref_params, params)
+    # torch-fsdp: rank 0's file holds its rows of each tensor (Shard(0)): the first ones
+    assert_same_as_single(out, single(), params="rows" if strategy == "torch-fsdp" else "whole")
 
 
 @pytest.mark.slow
-def test_each_reference_divides_what_it_shards(tmp_path_factory, single):  # noqa: F811
+def test_each_reference_divides_what_it_shards():
     """Per rank, against `single`'s full model states: torch-zero1 holds 1/N of the Adam moments
     (whole parameters per rank, so only to a parameter's size), torch-fsdp and accelerate-fsdp 1/N
     of parameters, gradients and moments (within the padding); --zero 0 (NO_SHARD) divides nothing."""
-    n, base = 2, single[0]["memory"][0]
+    n, base = 2, single()["memory"][0]
     divided = {"torch-zero1": {"optimizer"}, "torch-fsdp": {"params", "grads", "optimizer"},
                "accelerate-fsdp": {"params", "grads", "optimizer"}}
-    runs = {strategy: train(tmp_path_factory, strategy, n, *EVERY_10)[0] for strategy in divided}
-    divided["no-shard"], runs["no-shard"] = set(), train(tmp_path_factory, "accelerate-fsdp", n, "--zero", "0")[0]
+    runs = {strategy: train(strategy, n) for strategy in divided}
+    divided["no-shard"], runs["no-shard"] = set(), train("accelerate-fsdp", n, "--zero", "0")
     for strategy, out in runs.items():
         for rank in range(n):
             for key in ("params", "grads", "optimizer"):
@@ -62,16 +53,11 @@ def test_each_reference_divides_what_it_shards(tmp_path_factory, single):  # noq
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["torch-zero1", "torch-fsdp", "accelerate-fsdp"])
-def test_reference_checkpoint_resumes_bit_identically(tmp_path_factory, strategy):
+def test_reference_checkpoint_resumes_bit_identically(tmp_path, strategy):
     """Each rank saves its shard of the optimizer state (torch-fsdp: of the parameters too); resumed
     from step 10, a run reports the same 20 losses and norms as the run that never stopped."""
-    full, _ = train(tmp_path_factory, strategy, 2, *EVERY_10)
-    ckpt = _RUNS[(strategy, 2, *EVERY_10)][2]
-    shutil.rmtree(checkpoint.step_dir(ckpt, 20))
-    res = run_cli("train", "--strategy", strategy, "--nproc", 2, "--json", *COMMON, "--checkpoint-dir", ckpt,
-                  *EVERY_10, "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    resumed = json.loads(res.stdout.splitlines()[-1])
+    full = train(strategy, 2)
+    resumed = resume(full, 10, tmp_path)
     assert resumed["resumed_from"] == 10
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
 
@@ -117,6 +103,6 @@ def test_reference_stages_and_defaults():
     (["--strategy", "torch-zero1", "--nproc", "1"], "strategy 'torch-zero1' shards over data-parallel ranks"),
 ])
 def test_bad_reference_arguments_fail_before_start(args, message):
-    res = run_cli("train", *args)
+    res = refused("train", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
