@@ -41,8 +41,8 @@ PLANTS = {
     ],
     # the tied embedding/head matrix, summed over the embedding group, counted on both stages
     "tied matrix counted twice in the norm": [
-        ("labsupport.parallel.pipeline", [("mine = [p for p in model.parameters() if p is not tied]",
-                                           "mine = list(model.parameters())")]),
+        ("labsupport.parallel.pipeline", [("counted = [p for p in counted if p is not self.tied]",
+                                           "counted = list(counted)")]),
     ],
 }
 

@@ -23,7 +23,7 @@ TRAPS = textwrap.dedent('''
     import torch, torch.nn as nn, torch.nn.functional as F
     from labsupport import init, report
     from labsupport.parallel.ddp import DataParallel
-    from labsupport.parallel.strategy import adamw
+    from labsupport.parallel.optim import adamw
 
     class Trap(nn.Module):
         """Tied embedding/head, a frozen layer, a layer used only on even steps (all ranks alike),
@@ -54,7 +54,7 @@ TRAPS = textwrap.dedent('''
         ddp = DataParallel(Trap(), mode=mode, bucket_mb=0.0005, find_unused_parameters=find_unused)  # ~4 buckets
         torch.manual_seed(0)
         reference = Trap()
-        ref_opt, opt = adamw(reference, 1e-2, 0.1), adamw(ddp, 1e-2, 0.1)  # the loop's AdamW recipe, for both
+        ref_opt, opt = adamw(reference.parameters(), 1e-2, 0.1), adamw(ddp.parameters(), 1e-2, 0.1)  # the loop's AdamW recipe, for both
         n, per = rt.world_size, 2 * accum
         data = torch.Generator().manual_seed(1)
         for step in range(6):

@@ -5,7 +5,8 @@ import torch
 
 from labsupport import comm, runtime
 from labsupport.parallel import STRATEGIES, ConfigError, Entry, ParallelConfig
-from labsupport.parallel.strategy import Strategy, clip_grad_norm_
+from labsupport.parallel.clip import clip_grad_norm_
+from labsupport.parallel.strategy import Strategy
 from labsupport.model import ModelConfig
 from labsupport.train import build_parser, train
 
@@ -26,7 +27,7 @@ class AllForwardAllBackward(Strategy):
 
 
 def run_in_process(strategy, monkeypatch):
-    monkeypatch.setitem(STRATEGIES, "afab", Entry(f"{__name__}:AllForwardAllBackward", ()))
+    monkeypatch.setitem(STRATEGIES, "afab", Entry(lambda: AllForwardAllBackward, ()))
     args = build_parser().parse_args(["--strategy", strategy, "--model", "nano", "--steps", "4", "--global-batch", "8",
                                       "--micro-batch", "2", "--sample-chars", "5", "--eval-batches", "1"])
     with runtime.init(seed=0) as rt:

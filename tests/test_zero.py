@@ -26,7 +26,8 @@ TINY = textwrap.dedent('''
     from labsupport import init, report
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
     from labsupport.parallel import ParallelConfig, make_strategy
-    from labsupport.parallel.strategy import adamw, clip_grad_norm_
+    from labsupport.parallel.clip import clip_grad_norm_
+    from labsupport.parallel.optim import adamw
 
     stage, accum, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "prefetch"
     failures = []
@@ -38,18 +39,19 @@ TINY = textwrap.dedent('''
         model = strategy.parallelize(TinyGPT(cfg))
         torch.manual_seed(0)
         reference = TinyGPT(cfg)  # rank 0's initial values, which the strategy broadcast
-        opt, ref_opt = strategy.make_optimizer(model, 1e-2, 0.1), adamw(reference, 1e-2, 0.1)
-        bare = getattr(model, "module", model)
+        opt, ref_opt = strategy.make_optimizer(model, 1e-2, 0.1), adamw(reference.parameters(), 1e-2, 0.1)
+        bare = model  # without a pipeline, the model itself
+        units = strategy.steps[-1].handle.units if stage == "zero3" else None  # fully_shard's, root last
         names = {id(p): name for name, p in bare.named_parameters()}
         if stage == "zero3":  # is block 1 on its way while block 0 computes? (only with prefetch)
             in_flight = []
             bare.blocks["0"].register_forward_hook(
-                lambda *_: in_flight.append(strategy.units[1].work is not None or strategy.units[1].gathered))
+                lambda *_: in_flight.append(units[1].work is not None or units[1].gathered))
         ref_params = dict(reference.named_parameters())
 
         def pieces():  # (name, lo, hi, gradient of those elements) this rank owns
             if stage == "zero3":
-                for unit in strategy.units:
+                for unit in units:
                     for p, (lo, hi, at) in zip(unit.partition.params, unit.spans):
                         yield names[id(p)], lo, hi, p.grad
             else:
