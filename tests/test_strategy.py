@@ -64,14 +64,18 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
     (ParallelConfig.build(4, "ddp", dp=3), 4, ["--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the run has 4",
                                                 "--global-batch 8 must be divisible by micro-batch x data-parallel ranks (auto x 3)"]),
     (ParallelConfig.build(4, "ddp", tp=2), 4, ["strategy 'ddp' splits over dp only, so --tp must be 1 (got 2)"]),
+    # a degree the strategy does not split is one line: the steps check the rest as if it were 1
     (ParallelConfig.build(6, "ddp", tp=3, pp=2, bucket_mb=0), 6,
-     ["splits over dp only, so --tp must be 1", "splits over dp only, so --pp must be 1", "--bucket-mb must be > 0",
-      "--tp 3 must divide the model's heads (4)", "--tp 3 must divide the model's hidden size (64)",
+     ["splits over dp only, so --tp must be 1", "splits over dp only, so --pp must be 1", "--bucket-mb must be > 0"]),
+    (ParallelConfig.build(6, "3d", dp=1, tp=3, pp=2), 6,
+     ["--tp 3 must divide the model's heads (4)", "--tp 3 must divide the model's hidden size (64)",
       "--tp 3 must divide the model's padded vocabulary (64)"]),
-    (ParallelConfig.build(3, "ddp", pp=3), 3, ["so --pp must be 1 (got 3)", "--pp 3 x --chunks 1 = 3 pipeline chunks must "
-                                               "divide the model's 2 layers",
+    (ParallelConfig.build(3, "ddp", pp=3), 3, ["so --pp must be 1 (got 3)",
                                                "the 8 sequences each data-parallel rank gets per step do not split into "
                                                "--pp 3 micro-batches"]),
+    (ParallelConfig.build(3, "pp", pp=3), 3, ["--pp 3 x --chunks 1 = 3 pipeline chunks must divide the model's 2 layers",
+                                              "the 8 sequences each data-parallel rank gets per step do not split into "
+                                              "--pp 3 micro-batches"]),
     (ParallelConfig.build(2, "ddp", zero=4, ddp_mode="ring"), 2, ["--zero must be 0, 1, 2 or 3", "--ddp-mode must be"]),
     (ParallelConfig.build(2, "ddp", zero=1), 2, ["strategy 'ddp' does not shard with ZeRO, so --zero 1 would be ignored; "
                                                  "use --strategy zero1"]),

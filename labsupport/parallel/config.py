@@ -93,7 +93,10 @@ class ParallelConfig:
         microbatches = None  # per step, what a pipeline schedule runs: known once the batch is valid
         if global_batch is not None and not batch:
             microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
-        out += step_problems(replace(self, zero=0) if zero else self, model, microbatches)  # a refused --zero: DDP's
+        # The steps see what the strategy would run: a degree it does not split (reported above) as 1, a
+        # refused --zero as 0, so one mistake is one line.
+        unsplit = {axis: 1 for axis in ("dp", "tp", "pp") if entry.axes and axis not in entry.axes}
+        out += step_problems(replace(self, **unsplit, **({"zero": 0} if zero else {})), model, microbatches)
         out += entry.load().problems(self, model, microbatches)
         return out + batch
 
