@@ -146,16 +146,19 @@ def test_a_killed_run_resumes_bit_identically(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "4", "--dp", "2", "--tp", "2", "--pp", "2"],
      "--dp 2 x --tp 2 x --pp 2 = 8 ranks, but the run has 4 (--nproc); make dp x tp x pp equal the number of ranks"),
-    (["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "2"], "strategy '3d' composes ZeRO-1 only"),
-    (["--nproc", "4", "--tp", "2", "--pp", "2", "--zero", "1"], "--zero 1 shards the optimizer states over "
-                                                                 "data-parallel ranks, but --dp is 1"),
+    (["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "2"], "ZeRO-2 frees the full gradients the tensor- and "
+                                                                 "pipeline-parallel steps still reduce"),
+    (["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "3"], "ZeRO-3 shards whole units over the DP group; it "
+                                                                 "does not compose with --tp or --pp here"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--zero", "1"], "strategy '3d' shards over data-parallel ranks; on "
+                                                                 "dp 1 it would be a no-op"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's heads (4)"),
     (["--nproc", "8", "--tp", "2", "--pp", "4"], "--pp 4 x --chunks 1 = 4 pipeline chunks must divide the model's "
                                                  "2 layers"),
     (["--nproc", "8", "--tp", "2", "--pp", "2", "--global-batch", "6"],
      "the 3 sequences each data-parallel rank gets per step do not split into --pp 2 micro-batches"),
     (["--nproc", "4", "--tp", "2", "--pp", "2", "--sequence-parallel"],
-     "strategy '3d' does not combine --sequence-parallel yet"),
+     "--sequence-parallel does not combine with --pp yet"),
 ])
 def test_bad_grids_fail_before_start(tmp_path, args, message):
     res = refused("train", "--strategy", "3d", "--model", "nano", *args, "--run-dir", tmp_path / "run")
