@@ -40,7 +40,8 @@ def test_two_by_two_by_two_with_zero1_matches_single():
     ["--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "4"],                      # TP x PP, 1F1B
     ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--schedule", "gpipe", "--microbatches", "2"],
     ["--dp", "2", "--tp", "2", "--pp", "1", "--microbatches", "2"],                      # DP x TP, accumulating
-], ids=["1x2x2", "2x1x2-zero1", "2x2x1"])
+    ["--dp", "2", "--tp", "2", "--pp", "1", "--zero", "1", "--sequence-parallel"],         # DP x TP with SP, ZeRO-1
+], ids=["1x2x2", "2x1x2-zero1", "2x2x1", "2x2x1-sp-zero1"])
 def test_grids_without_one_axis_match_single(extra):
     out = train("3d", 4, *extra, settings=NANO_10)
     assert_same_as_single(out, single(settings=NANO_10))
