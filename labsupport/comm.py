@@ -187,30 +187,42 @@ def _watch(tensor, group):
     return tensor if "gloo" in str(dist.get_backend(group)) else None
 
 
-def _until_freed(tensor, held: int) -> None:
-    """Return once fewer than `held` C++ references to `tensor` remain: the work that held it is freed.
+def _until_freed(tensor, before: int, held: int) -> None:
+    """Return once the work that held `tensor` is freed: its references to it are gone.
 
-    Called right after dropping our handle to a finished work. Each poll releases the GIL, which
-    the worker thread may need to free it; after half a millisecond the polls sleep in between,
-    so that the thread takes the GIL at once rather than after the interpreter's switch interval.
+    `before`: C++ references to `tensor` just before the work started; `held`: just before our
+    handle was dropped. The work lets go of them one member at a time, the thread-local state
+    (the part that takes the GIL) between the first and the last, so only a count back at
+    `before` says it is done. If the caller took references of its own since the launch, the
+    count settles above that: a count below `held` that stays put for a millisecond says it too.
+
+    Each poll releases the GIL, which the worker thread may need; after half a millisecond the
+    polls sleep in between, so that it takes the GIL at once rather than after the interpreter's
+    switch interval.
     """
     global _waits_for_free
-    start = time.monotonic()
-    while _use_count(tensor) >= held:
-        waited = time.monotonic() - start
-        if waited > _FREE_WAIT_S:  # something else holds the tensor: do not wait again
+    start = last_change = time.monotonic()
+    last = held
+    while (count := _use_count(tensor)) > before:
+        now_ = time.monotonic()
+        if count != last:
+            last, last_change = count, now_
+        elif count < held and now_ - last_change > 1e-3:
+            return
+        if now_ - start > _FREE_WAIT_S:  # the worker thread never let go: do not wait again
             _waits_for_free = False
             warnings.warn("labsupport.comm: a finished gloo work was not freed within "
                           f"{_FREE_WAIT_S:g} s; no longer waiting for works to be freed", RuntimeWarning)
             return
-        time.sleep(0 if waited < 5e-4 else 1e-4)
+        time.sleep(0 if now_ - start < 5e-4 else 1e-4)
 
 
 class _Work:
     """Wraps an async handle so the timeline gets the moment the op was waited for."""
 
-    def __init__(self, work, event, after_wait=None, watch=None):
-        self._work, self._event, self._after_wait, self._watch = work, event, after_wait, watch
+    def __init__(self, work, event, after_wait=None, watch=None, before=0):
+        self._work, self._event, self._after_wait = work, event, after_wait
+        self._watch, self._before = watch, before
 
     def wait(self):
         if self._work is not None:
@@ -220,7 +232,7 @@ class _Work:
             else:
                 held = _use_count(self._watch)
                 self._work = None  # the last reference, unless the worker thread still holds it
-                _until_freed(self._watch, held)
+                _until_freed(self._watch, self._before, held)
         if self._after_wait is not None:
             self._after_wait()
             self._after_wait = None
@@ -245,7 +257,8 @@ def _call(op, payload, group, fn, async_op=False, after=None, watch=None, **meta
         STATS.events.append(event)
     watch = _watch(watch, group)
     if async_op or watch is not None:  # a synchronous gloo call too: waited for here, then freed
-        work = _Work(fn(True), event, after, watch)
+        before = _use_count(watch) if watch is not None else 0
+        work = _Work(fn(True), event, after, watch, before)
         if async_op:
             if event is not None:  # the end is when the data has arrived, not when someone waits for it
                 try:

@@ -105,9 +105,12 @@ class Bucket:
 
     def launch(self) -> None:
         """Copy the gradients in and start averaging them over the group, without waiting."""
+        self._copy_in()
+        self.work = comm.all_reduce(self.buffer, "avg", group=self.group, async_op=True, bucket=self.index)
+
+    def _copy_in(self) -> None:  # (no view of the buffer outlives it: comm counts the buffer's references)
         for p, view in self._views():
             view.copy_(p.grad.view(-1)) if p.grad is not None else view.zero_()
-        self.work = comm.all_reduce(self.buffer, "avg", group=self.group, async_op=True, bucket=self.index)
 
     def finish(self) -> None:
         """Wait for the all-reduce (comm returns once gloo has freed it) and copy the averaged gradients back."""
