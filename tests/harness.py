@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import run_cli
+from conftest import cli
 from labsupport import checkpoint
 from labsupport.train import build_parser
 
@@ -83,7 +83,7 @@ def train(strategy: str, nproc: int, *args, settings=NANO, env: dict | None = No
     where = WORKDIR / f"{strategy}-{nproc}-{len(LAUNCHES)}"
     LAUNCHES.append(key)
     argv = ["--strategy", strategy, "--nproc", nproc, "--json", *settings, *args]
-    res = run_cli("train", *argv, "--checkpoint-dir", where / "ckpt", "--run-dir", where / "run", env=env)
+    res = cli("train", *argv, "--checkpoint-dir", where / "ckpt", "--run-dir", where / "run", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     run = Run(json.loads(res.stdout.splitlines()[-1]), where / "ckpt", argv)
     if env is None:
@@ -100,7 +100,7 @@ def resume(run: Run, step: int, tmp_path: Path) -> Run:
     """`run` again, resumed from a copy of its checkpoint at `step` (the cached run's stays as it was)."""
     ckpt = tmp_path / "resumed"
     shutil.copytree(checkpoint.step_dir(run.checkpoint_dir, step), checkpoint.step_dir(ckpt, step))
-    res = run_cli("train", *run.argv, "--checkpoint-dir", ckpt, "--run-dir", tmp_path / "run", "--resume")
+    res = cli("train", *run.argv, "--checkpoint-dir", ckpt, "--run-dir", tmp_path / "run", "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     LAUNCHES.append(("resumed", *run.argv))
     return Run(json.loads(res.stdout.splitlines()[-1]), ckpt, run.argv)

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from conftest import refused
+from conftest import cli
 from harness import assert_same_as_single, resume, single, train
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
@@ -103,6 +103,6 @@ def test_reference_stages_and_defaults():
     (["--strategy", "torch-zero1", "--nproc", "1"], "strategy 'torch-zero1' shards over data-parallel ranks"),
 ])
 def test_bad_reference_arguments_fail_before_start(args, message):
-    res = refused("train", *args)
+    res = cli("train", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
