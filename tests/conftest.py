@@ -75,17 +75,24 @@ def run_cli(*args, timeout=300, env=None):
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def refused(*args) -> subprocess.CompletedProcess:
-    """`labsupport ARGS...` for arguments the CLI must refuse before any rank starts, run in this
-    process (the same `main` as `python -m labsupport.cli`, without a fresh interpreter's ~1.5 s of
-    importing torch). An exception escaping `main` fails the test as a traceback would."""
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    """`labsupport ARGS...` run by the CLI's own `main` in this process: the code `python -m
+    labsupport.cli` runs, without a fresh interpreter's ~1.5 s of importing torch (run_cli keeps
+    the subprocess). The ranks a launch starts are processes as ever, `env` added to their
+    environment. An exception escaping `main` fails the test, as a subprocess's traceback would."""
     from labsupport.cli import main
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([*map(str, args)])
-        except SystemExit as e:  # argparse's own refusals
-            code = e.code
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([*map(str, args)])
+            except SystemExit as e:  # argparse's own refusals
+                code = e.code
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
     return subprocess.CompletedProcess(["labsupport", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 

@@ -2,7 +2,7 @@
 configuration once per pytest session, whichever test or file asks first), compare it with `single`
 on the same settings (losses, every step's gradient norm, validation loss, sampled text,
 parameters), check which process groups carry its traffic, and plant a bug in a copy of the package
-that `labsupport train` and its ranks then run.
+that the ranks of `labsupport train` then run.
 
 Equivalence is the proof (DESIGN 5): any strategy, same global batch and seed, fp32, must give
 single's losses and its gradient norm before clipping at every step; under AdamW (and clipping)
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from conftest import run_cli
+from conftest import cli
 from labsupport import checkpoint
 from labsupport.train import build_parser
 
-# Settings every run of a file shares; `single(settings)` is the reference for all runs on them.
+# Settings every run of a file shares; `single(settings=...)` is the reference for all runs on them.
 # nano: 2 layers (one per stage at pp 2), 4 heads and hidden 64 (tp 2 and 4 divide them).
 NANO = ("--model", "nano", "--steps", "20", "--global-batch", "8", "--sample-chars", "0", "--eval-batches", "1",
         "--checkpoint-every", "10")
@@ -83,7 +83,7 @@ def train(strategy: str, nproc: int, *args, settings=NANO, env: dict | None = No
     where = WORKDIR / f"{strategy}-{nproc}-{len(LAUNCHES)}"
     LAUNCHES.append(key)
     argv = ["--strategy", strategy, "--nproc", nproc, "--json", *settings, *args]
-    res = run_cli("train", *argv, "--checkpoint-dir", where / "ckpt", "--run-dir", where / "run", env=env)
+    res = cli("train", *argv, "--checkpoint-dir", where / "ckpt", "--run-dir", where / "run", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     run = Run(json.loads(res.stdout.splitlines()[-1]), where / "ckpt", argv)
     if env is None:
@@ -100,7 +100,7 @@ def resume(run: Run, step: int, tmp_path: Path) -> Run:
     """`run` again, resumed from a copy of its checkpoint at `step` (the cached run's stays as it was)."""
     ckpt = tmp_path / "resumed"
     shutil.copytree(checkpoint.step_dir(run.checkpoint_dir, step), checkpoint.step_dir(ckpt, step))
-    res = run_cli("train", *run.argv, "--checkpoint-dir", ckpt, "--run-dir", tmp_path / "run", "--resume")
+    res = cli("train", *run.argv, "--checkpoint-dir", ckpt, "--run-dir", tmp_path / "run", "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     LAUNCHES.append(("resumed", *run.argv))
     return Run(json.loads(res.stdout.splitlines()[-1]), ckpt, run.argv)
@@ -172,7 +172,8 @@ def group_traffic(out: dict, rank: int, keys=("calls", "payload_bytes")) -> dict
 def planted(tmp_path: Path, bug: str) -> dict:
     """A copy of the labsupport package under `tmp_path` with `PLANTS[bug]` planted (each anchor must
     occur in its module: a changed source fails here, loudly), and the environment under which
-    `labsupport train` and every rank it starts import the copy instead of the package."""
+    every process a launch starts (torchrun's agent, each rank) imports the copy instead of the
+    package; `train(..., env=planted(...))` runs it."""
     import labsupport
     root = tmp_path / "planted"
     package = Path(labsupport.__file__).parent

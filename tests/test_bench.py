@@ -4,7 +4,7 @@ import json
 import pytest
 
 from labsupport.bench import collectives
-from conftest import refused, run_cli
+from conftest import cli, run_cli
 
 
 @pytest.mark.multiprocess
@@ -58,9 +58,9 @@ def test_measure_warms_every_size_then_interleaves_them(monkeypatch):
 
 
 def test_bad_bench_options_fail_before_launch():
-    res = refused("bench", "collectives", "--nproc", "1")
+    res = cli("bench", "collectives", "--nproc", "1")
     assert res.returncode == 2 and "needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr
-    res = refused("bench", "collectives", "--sizes", "4097")
+    res = cli("bench", "collectives", "--sizes", "4097")
     assert res.returncode == 2 and "multiples of 4" in res.stderr
 
 
@@ -78,5 +78,5 @@ def test_bench_ddp_compares_every_mode_with_torch_ddp():
 
 
 def test_bench_ddp_refuses_an_analysis_model():
-    res = refused("bench", "ddp", "--model", "175b")
+    res = cli("bench", "ddp", "--model", "175b")
     assert res.returncode == 2 and "analysis shape" in res.stderr

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from labsupport.bench import launch as bench_launch
-from conftest import processes_of, refused, run_cli
+from conftest import cli, processes_of, run_cli
 
 
 @pytest.mark.multiprocess
@@ -29,7 +29,7 @@ def test_summary_takes_medians_and_the_ratio_of_pool_cell_to_launch():
 
 
 def test_bad_bench_launch_options_fail_before_starting_anything():
-    res = refused("bench", "launch", "--nproc", "1")
+    res = cli("bench", "launch", "--nproc", "1")
     assert res.returncode == 2 and "needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr
-    res = refused("bench", "launch", "--repeats", "0")
+    res = cli("bench", "launch", "--repeats", "0")
     assert res.returncode == 2 and "--repeats must be >= 1" in res.stderr

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import refused, run_cli
+from conftest import cli, run_cli
 
 
 @pytest.mark.multiprocess
@@ -35,11 +35,11 @@ def test_bench_pp_races_each_schedule_against_torch_and_measures_memory_per_rank
     (["--bucket-sweep", "1,2"], "--bucket-sweep is for bench ddp"),
 ])
 def test_bench_pp_refuses_bad_arguments_in_one_line(args, message):
-    res = refused("bench", "pp", *args)
+    res = cli("bench", "pp", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_microbatches_belong_to_bench_pp_only():
-    res = refused("bench", "tp", "--microbatches", "2")
+    res = cli("bench", "tp", "--microbatches", "2")
     assert res.returncode == 2 and "--microbatches is for bench pp" in res.stderr, res.stderr

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import refused, run_cli
+from conftest import cli, run_cli
 
 
 @pytest.mark.multiprocess
@@ -38,6 +38,6 @@ def test_bench_tp_races_ours_against_dtensor_and_measures_memory_per_rank():
     (["--bucket-sweep", "1,2"], "--bucket-sweep is for bench ddp"),
 ])
 def test_bench_tp_refuses_bad_arguments_in_one_line(args, message):
-    res = refused("bench", "tp", *args)
+    res = cli("bench", "tp", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import refused, run_cli
+from conftest import cli, run_cli
 
 
 @pytest.mark.multiprocess
@@ -29,7 +29,7 @@ def test_bench_zero_races_each_stage_against_torch_and_measures_memory_per_rank(
 
 
 def test_bench_zero_refuses_one_rank_and_a_bucket_sweep():
-    res = refused("bench", "zero", "--nproc", "1")
+    res = cli("bench", "zero", "--nproc", "1")
     assert res.returncode == 2 and "bench zero needs --nproc 2 or more" in res.stderr and "Traceback" not in res.stderr
-    res = refused("bench", "zero", "--bucket-sweep", "1,2")
+    res = cli("bench", "zero", "--bucket-sweep", "1,2")
     assert res.returncode == 2 and "--bucket-sweep is for bench ddp" in res.stderr

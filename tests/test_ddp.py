@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from labsupport.launch import RankFailed, launch
-from conftest import refused
+from conftest import cli
 from harness import assert_same_as_single, planted, single, train
 
 pytestmark = pytest.mark.multiprocess
@@ -278,5 +278,5 @@ def test_planted_sum_instead_of_average_fails_the_comparison_with_single(tmp_pat
     (["--strategy", "ddp", "--nproc", "4", "--dp", "3", "--global-batch", "6"], "--dp 3 x --tp 1 x --pp 1 = 3 ranks"),
 ])
 def test_bad_ddp_arguments_fail_before_start(args, message):
-    res = refused("train", *args)
+    res = cli("train", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import planted_copy, refused
+from conftest import cli, planted_copy
 from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, single, train
 from labsupport.estimate.schedules import schedule
 from labsupport.launch import launch
@@ -216,7 +216,7 @@ def test_training_on_four_layers_matches_single(strategy, nproc, extra):
     (["--nproc", "2"], "strategy 'pp' splits over pp only, so --dp must be 1 (got 2)"),
 ])
 def test_bad_pipeline_arguments_fail_before_start(tmp_path, args, message):
-    res = refused("train", "--strategy", "pp", "--model", "nano", *args)
+    res = cli("train", "--strategy", "pp", "--model", "nano", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists(), "no rank started"
 
@@ -225,7 +225,7 @@ def test_resuming_with_another_pipeline_degree_is_refused(tmp_path):
     from labsupport import checkpoint
     layout = {**ParallelConfig.build(2, "pp", pp=2).layout(), "world_size": 2}
     checkpoint.save(tmp_path / "ckpt", 4, 0, {"step": 4}, barrier=lambda: None, layout=layout)
-    res = refused("train", "--strategy", "pp", "--model", "micro", "--nproc", "4", "--pp", "4", "--resume",
+    res = cli("train", "--strategy", "pp", "--model", "micro", "--nproc", "4", "--pp", "4", "--resume",
                   "--checkpoint-dir", tmp_path / "ckpt")
     assert res.returncode == 2 and "written by pp on 2 rank(s) (dp 1, tp 1, pp 2" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

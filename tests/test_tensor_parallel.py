@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from conftest import planted_copy, refused
+from conftest import cli, planted_copy
 from harness import assert_same_as_single, assert_traffic_in, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
 from labsupport.launch import launch
@@ -150,5 +150,5 @@ def test_training_matches_single_step_by_step(strategy, nproc, extra):
     (["--tp", "2", "--nproc", "4", "--dp", "2"], "strategy 'tp' splits over tp only, so --dp must be 1 (got 2)"),
 ])
 def test_bad_tensor_parallel_arguments_fail_before_start(args, message):
-    res = refused("train", "--strategy", "tp", "--model", "nano", *args)
+    res = cli("train", "--strategy", "tp", "--model", "nano", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr

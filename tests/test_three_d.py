@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import refused, run_cli
+from conftest import cli
 from harness import MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, single, train
 from labsupport import checkpoint
 from labsupport.estimate.schedules import schedule
@@ -136,8 +136,8 @@ def test_a_killed_run_resumes_bit_identically(tmp_path):
     os.killpg(victim.pid, signal.SIGKILL)  # the whole launch, mid-run, no cleanup
     victim.wait()
     assert checkpoint.latest(ckpt) == 5, "the run finished before it could be killed"
-    res = run_cli("train", "--strategy", "3d", "--nproc", 8, "--json", *NANO_10, *GRID, "--checkpoint-dir", ckpt,
-                  "--resume")
+    res = cli("train", "--strategy", "3d", "--nproc", 8, "--json", *NANO_10, *GRID, "--checkpoint-dir", ckpt,
+              "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = json.loads(res.stdout.splitlines()[-1])
     assert resumed["resumed_from"] == 5
@@ -162,7 +162,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path):
      "--sequence-parallel does not combine with --pp yet"),
 ])
 def test_bad_grids_fail_before_start(tmp_path, args, message):
-    res = refused("train", "--strategy", "3d", "--model", "nano", *args, "--run-dir", tmp_path / "run")
+    res = cli("train", "--strategy", "3d", "--model", "nano", *args, "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "no rank started"
 

@@ -14,7 +14,7 @@ from labsupport import checkpoint, train
 from labsupport.estimate.params import count_params
 from labsupport.model import PRESETS
 from labsupport.train import build_parser, lr_at
-from conftest import refused, run_cli
+from conftest import cli, run_cli
 from harness import single
 
 NANO = ["--model", "nano", "--global-batch", "8", "--sample-chars", "40", "--eval-batches", "1"]
@@ -101,14 +101,14 @@ def test_an_unfinished_checkpoint_is_ignored(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
 ])
 def test_bad_train_arguments_fail_fast_with_one_line(args, message, tmp_path):
-    res = refused("train", *args, "--run-dir", tmp_path / "run")
+    res = cli("train", *args, "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists(), "refused before any rank started"
 
 
 def test_a_refusal_is_the_process_exit_status_and_one_line(tmp_path):
-    """The tests above and the strategy files' run the CLI's `main` in the test's process; the
+    """Refusals elsewhere, and the harness's runs, call the CLI's `main` in the test's process; the
     command itself exits 2 with the same one line, and no traceback."""
     res = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--bucket-mb", "0", "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and res.stderr == "labsupport train: error: --bucket-mb must be > 0, got 0\n", res.stderr
@@ -116,7 +116,7 @@ def test_a_refusal_is_the_process_exit_status_and_one_line(tmp_path):
 
 
 def test_several_mistakes_get_a_line_each():
-    res = refused("train", "--strategy", "ddp", "--nproc", "2", "--pp", "2", "--bucket-mb", "0")
+    res = cli("train", "--strategy", "ddp", "--nproc", "2", "--pp", "2", "--bucket-mb", "0")
     lines = res.stderr.splitlines()
     assert res.returncode == 2 and len(lines) == 2, res.stderr
     assert "--pp must be 1" in lines[0] and "--bucket-mb must be > 0" in lines[1]
@@ -126,7 +126,7 @@ def test_several_mistakes_get_a_line_each():
 def test_resume_on_another_layout_is_refused_before_start(tmp_path):
     ckpt = single().checkpoint_dir  # the strategy files' reference run (read here, never written)
     assert checkpoint.layout(ckpt, 20) == {"strategy": "single", "dp": 1, "tp": 1, "pp": 1, "zero": 0, "world_size": 1}
-    res = refused("train", "--strategy", "ddp", "--nproc", "2", *NANO, "--steps", "8", "--checkpoint-dir", ckpt,
+    res = cli("train", "--strategy", "ddp", "--nproc", "2", *NANO, "--steps", "8", "--checkpoint-dir", ckpt,
                   "--resume", "--run-dir", tmp_path / "run")
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert ("written by single on 1 rank(s) (dp 1, tp 1, pp 1, zero 0), this run is ddp on 2 rank(s) "

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import refused
+from conftest import cli
 from harness import NANO, assert_same_as_single, assert_traffic_in, resume, single, train
 from labsupport import checkpoint
 from labsupport.launch import launch
@@ -211,7 +211,7 @@ def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says():
     (["--strategy", "zero1", "--nproc", "2", "--ddp-mode", "flat"], "so --ddp-mode must be bucketed (got flat)"),
 ])
 def test_bad_zero_arguments_fail_before_start(args, message):
-    res = refused("train", *args)
+    res = cli("train", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
@@ -236,7 +236,7 @@ def test_sharded_checkpoint_resumes_bit_identically(tmp_path, strategy):
     shard = checkpoint.load(resumed.checkpoint_dir, 20, 1)["optimizer"]["state"]
     moments = sum(v["exp_avg"].numel() for v in shard.values())
     assert moments == pytest.approx(full["n_params"] / 2, rel=0.02), "rank 1 saved its half of the moments"
-    res = refused("train", "--strategy", strategy, "--nproc", 4, *NANO, "--checkpoint-dir", resumed.checkpoint_dir,
+    res = cli("train", "--strategy", strategy, "--nproc", 4, *NANO, "--checkpoint-dir", resumed.checkpoint_dir,
                   "--resume")
     assert res.returncode == 2 and f"written by {strategy} on 2 rank(s)" in res.stderr
 

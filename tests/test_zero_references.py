@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from conftest import refused
+from conftest import cli
 from harness import assert_same_as_single, resume, single, train
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
@@ -12,15 +12,19 @@ from labsupport.parallel import ParallelConfig
 pytestmark = pytest.mark.multiprocess
 
 
+# Each reference's run on 2 ranks, which the memory and the resume tests below read too
+TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerate-fsdp": []}
+
+
 # Each reference on 2 and on 4 ranks, once with and once without gradient accumulation
 # (the whole cross product would not fit the CPU budget of the suite), and Accelerate's other two shardings.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, nproc, extra", [
-    ("torch-zero1", 2, []),
+    ("torch-zero1", 2, TWO_RANKS["torch-zero1"]),
     ("torch-zero1", 4, ["--micro-batch", "1"]),      # 2 accumulation steps under DDP's no_sync
-    ("torch-fsdp", 2, ["--micro-batch", "2"]),       # a reduce-scatter per micro-batch, added into the shard
+    ("torch-fsdp", 2, TWO_RANKS["torch-fsdp"]),      # a reduce-scatter per micro-batch, added into the shard
     ("torch-fsdp", 4, []),
-    ("accelerate-fsdp", 2, []),                      # FULL_SHARD, the default
+    ("accelerate-fsdp", 2, TWO_RANKS["accelerate-fsdp"]),  # FULL_SHARD, the default
     ("accelerate-fsdp", 4, ["--micro-batch", "1"]),  # FSDP's no_sync
     ("accelerate-fsdp", 2, ["--zero", "2"]),         # SHARD_GRAD_OP
     ("accelerate-fsdp", 2, ["--zero", "0"]),         # NO_SHARD (the run the memory test reads too)
@@ -41,7 +45,7 @@ def test_each_reference_divides_what_it_shards():
     n, base = 2, single()["memory"][0]
     divided = {"torch-zero1": {"optimizer"}, "torch-fsdp": {"params", "grads", "optimizer"},
                "accelerate-fsdp": {"params", "grads", "optimizer"}}
-    runs = {strategy: train(strategy, n) for strategy in divided}
+    runs = {strategy: train(strategy, n, *TWO_RANKS[strategy]) for strategy in divided}
     divided["no-shard"], runs["no-shard"] = set(), train("accelerate-fsdp", n, "--zero", "0")
     for strategy, out in runs.items():
         for rank in range(n):
@@ -56,7 +60,7 @@ def test_each_reference_divides_what_it_shards():
 def test_reference_checkpoint_resumes_bit_identically(tmp_path, strategy):
     """Each rank saves its shard of the optimizer state (torch-fsdp: of the parameters too); resumed
     from step 10, a run reports the same 20 losses and norms as the run that never stopped."""
-    full = train(strategy, 2)
+    full = train(strategy, 2, *TWO_RANKS[strategy])
     resumed = resume(full, 10, tmp_path)
     assert resumed["resumed_from"] == 10
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
@@ -103,6 +107,6 @@ def test_reference_stages_and_defaults():
     (["--strategy", "torch-zero1", "--nproc", "1"], "strategy 'torch-zero1' shards over data-parallel ranks"),
 ])
 def test_bad_reference_arguments_fail_before_start(args, message):
-    res = refused("train", *args)
+    res = cli("train", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
