@@ -34,6 +34,10 @@ LAB_IP ?= 127.0.0.1
 LAB_ARGS ?=
 # Extra pytest options, e.g. make test PYTEST_ARGS="-k collectives -x"
 PYTEST_ARGS ?=
+# make test runs the files on this many pytest-xdist workers, a file (a notebook: its cells, in
+# order, in one kernel) on one worker. Two keep a 2-core machine busy while ranks start and wait;
+# more only oversubscribe its cores. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 # Environment of test and notebook runs: run directories go to runs/ (git-ignored).
 # MPLBACKEND is deliberately not set to Agg here: ipykernel only selects the inline backend
@@ -89,7 +93,7 @@ test: $(DEV_STAMP) browser
 	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
-		-q -ra --durations=15 $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadscope -q -ra --durations=15 $(PYTEST_ARGS)
 
 # As root (a container, a CI box) JupyterLab refuses to start without --allow-root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -20,9 +20,25 @@ SESSION = "LABSUPPORT_TEST_SESSION"
 
 def pytest_configure(config):
     os.environ[SESSION] = str(os.getpid())  # inherited by every process a test, notebook or launch starts
+    _share_the_cores()
     config.addinivalue_line("markers", "slow: a few slow tests, still part of make test")
     config.addinivalue_line("markers", "multiprocess: launches real ranks")
     config.addinivalue_line("markers", "browser: drives headless Chromium")
+
+
+def _share_the_cores():
+    """Under pytest-xdist (`make test` runs two workers) each worker keeps to its share of the cores.
+
+    Everything its tests start (ranks, kernels, servers) inherits that affinity, so the launcher gives
+    each rank its share of those cores as threads (runtime.threads_per_rank), not of the whole
+    machine. Without it a 1-rank run used 2 threads on 2 cores beside the other worker's 8 ranks,
+    and its OpenMP threads waited for each other: 8x slower."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not (worker and workers and hasattr(os, "sched_setaffinity")):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index, count = int(worker.removeprefix("gw")), int(workers)
+    os.sched_setaffinity(0, cores[index % len(cores)::count] or cores)
 
 
 @pytest.fixture(autouse=True)
