@@ -101,6 +101,16 @@ FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--global-batch-size", "16", "--bf16", "--zero-stage", "1"]   # 8 GPUs: DP 2, 4 micro-batches
 
 
+@pytest.mark.parametrize("keys", [("train_batch_size", "train_micro_batch_size_per_gpu"),
+                                  ("train_batch_size", "gradient_accumulation_steps"),
+                                  ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+                                  ("train_batch_size",), ("train_micro_batch_size_per_gpu",)])
+def test_the_missing_batch_keys_are_completed_as_deepspeed_does(parse, keys):
+    config = {k: GOOD[k] for k in keys}
+    for dp in (1, 2):
+        ours_equal_deepspeeds(config, dp, parse(config, dp))
+
+
 @pytest.mark.parametrize("change, flags, message", [
     ({}, [], None),
     ({"train_batch_size": 32}, [], "train_batch_size 32 != train_micro_batch_size_per_gpu 2 x gradient_accumulation"),
