@@ -32,6 +32,9 @@ def _emit(args, human: str, payload: dict) -> None:
 def cmd_doctor(args) -> int:
     import torch
     import torch.distributed as dist
+    if args.gpu:
+        from .gpu_check import run_checks
+        return run_checks(torch.cuda.device_count(), out=lambda line: print(line, flush=True))
 
     from .runtime import _cpu_count, pick_device, recommended_nproc
     device, backend = pick_device(0, 1)
@@ -338,6 +341,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="versions, backends, devices and a 2-rank smoke test")
     d.add_argument("--timeout", type=float, default=120)
+    d.add_argument("--gpu", action="store_true",
+                   help="instead: train every strategy that fits this machine's GPUs and check it, one line each "
+                        "(make gpu-check); without a GPU, one line saying it skipped")
 
     la = sub.add_parser("launch", help="run a script or module on N ranks under torchrun")
     la.add_argument("--nproc", type=int, default=2)
