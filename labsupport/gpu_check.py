@@ -34,7 +34,8 @@ def checks(gpus: int) -> list[Check]:
     or more, the 2-rank strategies beside them (compared with single fp32)."""
     if gpus < 1:
         return []
-    plan = [Check(f"single {dtype}", 1, ("--strategy", "single", "--dtype", dtype)) for dtype in ("fp32", "bf16", "fp16")]
+    plan = [Check(f"single {dtype}", 1, ("--strategy", "single", "--dtype", dtype))
+            for dtype in ("fp32", "bf16", "fp16")]
     if gpus >= 2:
         plan += [Check(f"{name} x2", 2, ("--strategy", name, *extra)) for name, extra in (
             ("ddp", ()), ("zero3", ()), ("tp", ("--tp", "2")), ("pp", ("--pp", "2")), ("deepspeed", ()))]
@@ -81,7 +82,8 @@ def memory_against_prediction(run: dict) -> tuple[list[str], str]:
            if abs(got[k] - want[k]) > MEMORY_RTOL * want[k]]
     line = ", ".join(f"{k} {got[k] / 2**20:.2f}/{want[k] / 2**20:.2f}" for k in keys)
     total = sum(want[k] for k in keys)
-    return off, f"MiB measured/predicted: {line}; allocator peak {got['peak'] / 2**20:.2f} (predicted {total / 2**20:.2f})"
+    return off, (f"MiB measured/predicted: {line}; "
+                 f"allocator peak {got['peak'] / 2**20:.2f} (predicted {total / 2**20:.2f})")
 
 
 def mfu_line(run: dict) -> tuple[list[str], str]:
