@@ -109,7 +109,7 @@ def explain(config: dict, dp: int) -> list[str]:
     given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
              if k in config]
     lines = [f"batch: {micro} sequence(s) per micro-batch per GPU x {accum} micro-batch(es) per step x DP {dp} "
-             f"= {train} sequences a step (given: {', '.join(given)}; DeepSpeed derives the rest)"]
+             f"= {train} sequences a step at start-up (given: {', '.join(given)}; DeepSpeed derives the rest)"]
     half = precision(config)
     if half == "fp16":
         power = config["fp16"].get("initial_scale_power", 16)
