@@ -34,7 +34,11 @@ def cmd_doctor(args) -> int:
     import torch.distributed as dist
     if args.gpu:
         from .gpu_check import run_checks
-        return run_checks(torch.cuda.device_count(), out=lambda line: print(line, flush=True))
+        stream = sys.stderr if args.json else sys.stdout
+        results = run_checks(torch.cuda.device_count(), out=lambda line: print(line, file=stream, flush=True))
+        if args.json:
+            print(json.dumps({"gpus": torch.cuda.device_count(), "checks": results}))
+        return 0 if all(r["ok"] for r in results) else 1
 
     from .runtime import _cpu_count, pick_device, recommended_nproc
     device, backend = pick_device(0, 1)

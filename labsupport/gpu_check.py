@@ -114,13 +114,13 @@ def verdict(check: Check, run: dict, ref: dict | None) -> tuple[list[str], str]:
     return equal_to_single(run, ref), f"{loss}, equal to single fp32 at every step"
 
 
-def run_checks(gpus: int, out=print) -> int:
-    """Run `checks(gpus)`, print one line each; 0 when every check held."""
+def run_checks(gpus: int, out=print) -> list[dict]:
+    """Run `checks(gpus)`, print one line each; each check's name, whether it held, and why not."""
     plan = checks(gpus)
     if not plan:
         out("gpu-check: skipped, no CUDA GPU here (torch.cuda.device_count() is 0); CI runs without one")
-        return 0
-    failed, ref = 0, None
+        return []
+    results, ref = [], None
     for check in plan:
         reference = check is plan[0]   # single fp32: the run the others are held to
         try:
@@ -131,7 +131,8 @@ def run_checks(gpus: int, out=print) -> int:
             ref = run if reference else ref
         except (RuntimeError, KeyError, ValueError) as e:
             problems, details = [f"did not run: {e}"], ""
-        failed += bool(problems)
+        results.append({"check": check.name, "ok": not problems, "problems": problems, "details": details})
         out(f"{'FAIL' if problems else 'ok  '} {check.name:<13} {'; '.join(problems) if problems else details}")
-    out(f"gpu-check: {len(plan) - failed} of {len(plan)} checks held on {gpus} GPU(s)")
-    return 1 if failed else 0
+    held = sum(r["ok"] for r in results)
+    out(f"gpu-check: {held} of {len(plan)} checks held on {gpus} GPU(s)")
+    return results

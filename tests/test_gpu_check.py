@@ -2,6 +2,7 @@
 verdicts on CPU runs of the same settings (harness runs, shared with the strategy tests), planted
 inequalities included. The GPU runs themselves happen only where `make gpu-check` finds GPUs."""
 import copy
+import json
 
 import pytest
 import torch
@@ -9,8 +10,6 @@ import torch
 from labsupport import gpu_check
 from labsupport.cli import main
 from harness import single, train
-
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_the_checks_that_fit_each_machine():
@@ -30,6 +29,9 @@ def test_without_a_gpu_it_says_it_skipped_and_succeeds(capsys):
     assert main(["doctor", "--gpu"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: skipped, no CUDA GPU here")
+    assert main(["doctor", "--gpu", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"gpus": 0, "checks": []} and out.err.startswith("gpu-check: skipped")
 
 
 def shifted(run, key, step, by):
@@ -39,6 +41,8 @@ def shifted(run, key, step, by):
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_equality_with_single_holds_on_cpu_runs_and_fails_on_a_planted_difference():
     ref, ddp = single(), train("ddp", 2)
     assert gpu_check.equal_to_single(ddp, ref) == []
@@ -48,6 +52,8 @@ def test_equality_with_single_holds_on_cpu_runs_and_fails_on_a_planted_differenc
     assert len(problems) == 1 and problems[0].startswith("gradient norm differs") and "at step 7" in problems[0]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_memory_and_mfu_verdicts_on_a_cpu_run():
     ref = single()
     off, line = gpu_check.memory_against_prediction(ref)
@@ -60,6 +66,8 @@ def test_memory_and_mfu_verdicts_on_a_cpu_run():
     assert problems == [f"no datasheet peak ({ref['peak_flops_source']})"] and line.startswith("MFU ")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_one_line_per_check_and_a_failed_run_is_a_failed_check(monkeypatch):
     """run_checks on CPU summaries standing in for the GPU runs: every check a line, the planted ddp
     and the strategy that does not start each FAIL, with the reason."""
@@ -73,7 +81,8 @@ def test_one_line_per_check_and_a_failed_run_is_a_failed_check(monkeypatch):
         return runs[check.name]
     monkeypatch.setattr(gpu_check, "train", fake_train)
     lines = []
-    assert gpu_check.run_checks(2, out=lines.append) == 1
+    results = gpu_check.run_checks(2, out=lines.append)
+    assert [r["ok"] for r in results] == [False, False, False, False, True, True, True, False]
     assert len(lines) == len(gpu_check.checks(2)) + 1
     by_name = {line[5:18].strip(): line for line in lines[:-1]}
     assert by_name["zero3 x2"].startswith("ok   zero3 x2") and "equal to single fp32" in by_name["zero3 x2"]
