@@ -45,7 +45,7 @@ TEST_WORKERS ?= 2
 # Headless pytest processes fall back to Agg on their own.
 RUN_ENV := LABSUPPORT_RUNS="$(RUNS)"
 
-.PHONY: help venv browser test lab lab-copy lab-fresh notebooks clean distclean
+.PHONY: help venv browser test gpu-check lab lab-copy lab-fresh notebooks clean distclean
 
 help:
 	@echo "labsupport workbook"
@@ -54,6 +54,7 @@ help:
 	@echo "                  copied without outputs; OUTPUTS=keep copies them with the stored outputs (instructors)"
 	@echo "  make lab-fresh  move $(WORK)/ aside to $(WORK).bak-DATE-TIME, then make lab with fresh copies"
 	@echo "  make test       unit, multi-process, notebook (nbval) and browser tests"
+	@echo "  make gpu-check  every strategy that fits this machine's GPUs, run and checked (skips without a GPU)"
 	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
 	@echo "  make venv       create .venv: $(TORCH_PIN) first, then the package with [lab] and [dev]"
 	@echo "  make browser    make sure Chromium is there for the browser tests (apt-get, as root)"
@@ -94,6 +95,11 @@ test: $(DEV_STAMP) browser
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
 		-n $(TEST_WORKERS) --dist loadscope -q -ra --durations=15 $(PYTEST_ARGS)
+
+# The GPU paths in one command (labsupport/gpu_check.py): one line per check; without a GPU it says it
+# skipped and succeeds, so CI can call it too.
+gpu-check: $(LAB_STAMP)
+	$(RUN_ENV) $(VPY) -m labsupport.cli doctor --gpu
 
 # As root (a container, a CI box) JupyterLab refuses to start without --allow-root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -32,6 +32,13 @@ def _emit(args, human: str, payload: dict) -> None:
 def cmd_doctor(args) -> int:
     import torch
     import torch.distributed as dist
+    if args.gpu:
+        from .gpu_check import run_checks
+        stream = sys.stderr if args.json else sys.stdout
+        results = run_checks(torch.cuda.device_count(), out=lambda line: print(line, file=stream, flush=True))
+        if args.json:
+            print(json.dumps({"gpus": torch.cuda.device_count(), "checks": results}))
+        return 0 if all(r["ok"] for r in results) else 1
 
     from .runtime import _cpu_count, pick_device, recommended_nproc
     device, backend = pick_device(0, 1)
@@ -204,13 +211,16 @@ def _plan_machine(args):
 
 
 def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
-    """The --emit text (Megatron-DeepSpeed arguments, or a job script running them) and its JSON keys."""
+    """The --emit text (the ds_config, Megatron-DeepSpeed's arguments beside it, or a job script running
+    them) and its JSON keys."""
     import shlex
 
     from .estimate.planner import MEGATRON_SCRIPT, deepspeed_config, megatron_arguments, megatron_environment
     megatron = megatron_arguments(best, cfg, global_batch, args.precision)
     ds_config = deepspeed_config(best, global_batch, args.precision)
     environment = megatron_environment(best, frontier=args.machine == "frontier")
+    if args.emit == "deepspeed":
+        return f"ds_config.json of #1:\n{json.dumps(ds_config, indent=2)}", {"ds_config": ds_config}
     if args.emit == "megatron":
         text = "\n".join([f"# ds_config.json: {json.dumps(ds_config)}", *environment,
                           f"{MEGATRON_SCRIPT} {shlex.join(megatron)}"])
@@ -226,7 +236,26 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
             {"megatron_args": megatron, "ds_config": ds_config, "environment": environment, "jobscript": script})
 
 
+def _check_config(args) -> int:
+    """`plan --check-config`: what the ds_config does, and each contradiction with the Megatron flags."""
+    from .ds_check import contradictions, explain, load, megatron_flags
+    config, flags = load(args.check_config), megatron_flags(args.megatron)
+    found = contradictions(config, flags, args.gpus)
+    dp = args.gpus // (flags["tp"] * flags["pp"])
+    does = explain(config, dp)
+    lines = [f"{args.check_config} on {args.gpus} GPUs (TP {flags['tp']} x PP {flags['pp']} x DP {dp}) does:",
+             *(f"  {line}" for line in does),
+             f"{len(found)} contradiction(s) with the Megatron flags:" if found else
+             "no contradiction with the Megatron flags", *(f"  {line}" for line in found)]
+    _emit(args, "\n".join(lines), {"dp": dp, "megatron": flags, "explain": does, "contradictions": found})
+    return 1 if found else 0
+
+
 def cmd_plan(args) -> int:
+    if args.check_config:
+        return _check_config(args)
+    if args.megatron:
+        raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
     from .estimate.params import count_params
     from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
@@ -316,6 +345,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="versions, backends, devices and a 2-rank smoke test")
     d.add_argument("--timeout", type=float, default=120)
+    d.add_argument("--gpu", action="store_true",
+                   help="instead: train every strategy that fits this machine's GPUs and check it, one line each "
+                        "(make gpu-check); without a GPU, one line saying it skipped")
 
     la = sub.add_parser("launch", help="run a script or module on N ranks under torchrun")
     la.add_argument("--nproc", type=int, default=2)
@@ -406,10 +438,16 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=10, help="how many layouts to show (default 10)")
     pl.add_argument("--search", type=int, default=0, metavar="N", help="also sample N layouts at random")
     pl.add_argument("--seed", type=int, default=0, help="seed of --search")
-    pl.add_argument("--emit", choices=["megatron", "jobscript"], default=None,
-                    help="write the best layout's Megatron-DeepSpeed arguments, or a job script running them")
+    pl.add_argument("--emit", choices=["deepspeed", "megatron", "jobscript"], default=None,
+                    help="write the best layout's ds_config.json, its Megatron-DeepSpeed arguments (with the "
+                         "ds_config), or a job script running them")
     pl.add_argument("--scheduler", choices=["slurm", "pbs"], default="slurm", help="--emit jobscript: the scheduler")
     pl.add_argument("--account", default=None, help="--emit jobscript: project to charge")
+    pl.add_argument("--check-config", default=None, metavar="DS_CONFIG",
+                    help="instead of planning: what this ds_config.json does on --gpus GPUs, and each contradiction "
+                         "with the Megatron flags given after --; exit 1 if there is one")
+    pl.add_argument("megatron", nargs="*", metavar="-- MEGATRON_FLAGS",
+                    help="with --check-config: the launch's Megatron-DeepSpeed flags (others are ignored)")
 
     from .jobscript import add_arguments as jobscript_arguments
     js = sub.add_parser("jobscript", help="write a Slurm or PBS job script: N nodes x G GPUs, one rank per GPU")

@@ -90,9 +90,12 @@ def test_workshop_175b_megatron_arguments_are_the_forks_flags():
         "--deepspeed", "--deepspeed_config", "ds_config.json",
         "--deepspeed-activation-checkpointing", "--checkpoint-activations", "--checkpoint-num-layers", "1",
         "--zero-stage", "1"]
-    assert deepspeed_config(c, 640, "megatron-fp16") == {
-        "train_batch_size": 640, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-        "fp16": {"enabled": True}}
+    config = deepspeed_config(c, 640, "megatron-fp16")   # DeepSpeed parses it: tests/test_ds_check.py
+    assert {k: config[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                   "gradient_clipping")} == {
+        "train_batch_size": 640, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 320,
+        "gradient_clipping": 1.0}
+    assert config["zero_optimization"]["stage"] == 1 and config["fp16"]["enabled"] and "bf16" not in config
 
 
 def test_megatron_environment_orders_tp_kernels_and_names_frontiers_porting_steps():

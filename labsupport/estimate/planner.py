@@ -29,6 +29,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
+from ..ds_config import ds_config
 from .comm_cost import all_gather_ring, all_reduce_ring, reduce_scatter_ring
 from .flops import training_flops_per_token
 from .machines import DGX_A100, DGX_H100, FRONTIER, Machine
@@ -401,6 +402,9 @@ def search(cfg, machine: Machine, gpus: int, global_batch: int, samples: int, se
 MEGATRON_SCRIPT = "pretrain_gpt_deepspeed.py"
 
 
+MEGATRON_CLIP_GRAD = 1.0   # Megatron's --clip-grad default (megatron/arguments.py)
+
+
 def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixed") -> list[str]:
     """The Megatron-DeepSpeed arguments that run layout `c`, spelled as the workshop's fork takes them.
 
@@ -470,17 +474,17 @@ def megatron_environment(c: Config, frontier: bool = False) -> list[str]:
 
 
 def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> dict:
-    """The ds_config.json that goes with `megatron_arguments`: batch sizes, ZeRO stage, precision.
+    """The ds_config.json that goes with `megatron_arguments`, from the one builder (labsupport/ds_config.py).
 
-    The keys of the workshop fork's configs (sajal-vt/Megatron-DeepSpeed-ORNL, `ds_config_16N_175B.json`
-    and `dh_utils.create_ds_config`), less their optimizer and profiler blocks: the fork's
-    `megatron/training.py` builds Megatron's optimizer and hands it to `deepspeed.initialize`.
+    Its batch keys agree with Megatron's: micro-batch `--micro-batch-size`, accumulation
+    `--global-batch-size` / (micro-batch x DP). It clips at 1.0, Megatron's `--clip-grad` default: under
+    `--deepspeed` the fork's `megatron/optimizer/__init__.py` returns the bare optimizer, so only
+    DeepSpeed's `gradient_clipping` clips. No optimizer block: the fork's `megatron/training.py` hands
+    Megatron's optimizer to `deepspeed.initialize`. `labsupport plan --check-config` finds no
+    contradiction between the two (tests/test_ds_check.py).
     """
-    config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": c.micro_batch,
-              "zero_optimization": {"stage": c.zero}}
-    if precision != "fp32":
-        config[_half(precision)] = {"enabled": True}
-    return config
+    return ds_config(c.micro_batch, global_batch // (c.micro_batch * c.dp), c.dp, c.zero, grad_clip=MEGATRON_CLIP_GRAD,
+                     dtype="fp32" if precision == "fp32" else _half(precision))
 
 
 def _half(precision: str) -> str:

@@ -136,6 +136,13 @@ class Script:
     flash_attention: str | None  # --use-flash-attn-v2
     checkpoint_activations: bool
     notes: str = ""
+    clip_grad: float = 1.0      # --clip-grad: Megatron's default, which both 22B scripts pass explicitly
+
+    def megatron_flags(self) -> list[str]:
+        """The script's Megatron flags that `labsupport plan --check-config` reads against its ds_config."""
+        return [str(a) for a in ("--tensor-model-parallel-size", self.tp, "--pipeline-model-parallel-size", self.pp,
+                                 "--micro-batch-size", self.micro_batch, "--global-batch-size", self.global_batch,
+                                 "--clip-grad", self.clip_grad, f"--{self.precision}", "--deepspeed")]
 
     @property
     def gpus(self) -> int:
@@ -193,6 +200,18 @@ PART_II_22B = Script(
           "config says train_micro_batch_size_per_gpu 4 where Megatron's --micro-batch-size is 2; the fork's "
           "megatron/arguments.py defines no --model-size and parses with parse_args(), which exits on an "
           "unrecognized argument")
+
+# PART_II's `ds_config_4N_22B.json`, the config `launch_gpt22b_srun.frontier` passes, key for key (the whole file).
+# It sets no train_batch_size, gradient_accumulation_steps or gradient_clipping. Its optimizer block's "auto"
+# values are a Hugging Face Trainer convention that DeepSpeed does not fill in; the fork's training.py hands
+# Megatron's own optimizer to deepspeed.initialize, which then uses that one and not this block.
+PART_II_22B_DS_CONFIG = {
+    "fp16": {"enabled": True},
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "Adam", "params": {"torch_adam": False, "adam_w_mode": False, "lr": "auto",
+                                             "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 1},
+}
 
 # "For 22B, 175B, and 1T parameter model, the estimated energy consumption is 284 Gigajoules, 17.65
 # Terajoules, and 662 Terajoules", from "iteration time, consumed tokens per iterations, average active
