@@ -254,12 +254,13 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
         cfg, config = validate(args, rt.world_size)
     corpus = Corpus.load(args.data)
     strategy = make_strategy(rt, config)
+    dp_rank, dp_size = strategy.data_rank()
+    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
+    strategy.plan_steps(micro, args.global_batch // (dp_size * micro), args.grad_clip)
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
-    dp_rank, dp_size = strategy.data_rank()
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
-    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
