@@ -29,6 +29,7 @@ this rank's ZeRO optimizer state; resuming from one is not done yet.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import deepspeed
@@ -59,6 +60,9 @@ class AccelerateDeepSpeed(Strategy):
         # ZeRO-3 keeps a parameter under 1e5 elements whole on every rank by default: all of the CPU presets' are
         plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         self.accelerator = Accelerator(cpu=self.rt.device.type == "cpu", deepspeed_plugin=plugin)
+        # DeepSpeed's ZeRO calls these torch.distributed functions at every step; torch would say so each time
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
         state = self.accelerator.state  # one per process: it may hold an earlier strategy's plugin
         if state.distributed_type != DistributedType.DEEPSPEED:  # on CPU (see the module's docstring)
             state.distributed_type, state.device = DistributedType.DEEPSPEED, self.rt.device
