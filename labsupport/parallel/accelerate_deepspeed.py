@@ -33,7 +33,6 @@ import warnings
 from contextlib import contextmanager, nullcontext
 
 import deepspeed
-import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
@@ -61,8 +60,8 @@ class AccelerateDeepSpeed(Strategy):
         plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         self.accelerator = Accelerator(cpu=self.rt.device.type == "cpu", deepspeed_plugin=plugin)
         # DeepSpeed's ZeRO calls these torch.distributed functions at every step; torch would say so each time
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+        warnings.filterwarnings(
+            "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning)
         state = self.accelerator.state  # one per process: it may hold an earlier strategy's plugin
         if state.distributed_type != DistributedType.DEEPSPEED:  # on CPU (see the module's docstring)
             state.distributed_type, state.device = DistributedType.DEEPSPEED, self.rt.device
@@ -90,19 +89,15 @@ class AccelerateDeepSpeed(Strategy):
         """DeepSpeed clipped in its step already: the global norm it measured before clipping."""
         return float(self.engine.get_global_grad_norm())
 
-    def _whole(self, model):
-        """ZeRO-3 keeps a shard of each parameter: gather them for the duration (other stages hold them whole)."""
-        if self.config.zero == 3:
-            return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
-        return nullcontext()
-
     def model_state(self, model) -> dict:
-        with self._whole(model):
+        """The whole model: ZeRO-3 gathers its shards for the copy (the other stages hold them whole)."""
+        whole = self.config.zero == 3
+        with deepspeed.zero.GatheredParameters(list(model.parameters())) if whole else nullcontext():
             return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
     def load_model_state(self, model, state: dict) -> None:
-        with self._whole(model):
-            model.load_state_dict(state)
+        raise NotImplementedError("accelerate-deepspeed does not resume yet: its checkpoints hold the whole model "
+                                  "(loadable into `single`) and each rank's ZeRO state")
 
     def optimizer_state(self, optimizer) -> dict:
         """This rank's ZeRO state less DeepSpeed's own objects (checkpoints load weights-only): the stage
@@ -111,7 +106,3 @@ class AccelerateDeepSpeed(Strategy):
         state = {key: value for key, value in optimizer.state_dict().items()
                  if key not in ("loss_scaler", "param_slice_mappings")}
         return {**state, "zero_stage": int(state["zero_stage"])}
-
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        raise NotImplementedError("accelerate-deepspeed does not resume yet: its checkpoints hold the whole model "
-                                  "(loadable into `single`) and each rank's ZeRO state")
