@@ -6,7 +6,13 @@ on a loopback address (a single-node launch), listens on that address only (`run
 where torch's static rendezvous would listen on every interface. And once every rank succeeded it
 leaves without the interpreter's teardown of torch (`rank.leave_now`), half a second of every
 launch; a failure exits the ordinary way, with torchrun's own report.
+
+`python -m labsupport.agent accelerate ARGS` is `accelerate launch ARGS`: for an FSDP or DeepSpeed
+config file on one machine, Accelerate puts the file's settings in the environment and runs the same
+agent in this process (static rendezvous), so both differences hold there too.
 """
+import sys
+
 from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 from torch.distributed.run import main
 
@@ -15,5 +21,10 @@ from .runtime import tcp_store
 
 if __name__ == "__main__":
     static_tcp_rendezvous.TCPStore = tcp_store
-    main()
+    if sys.argv[1:2] == ["accelerate"]:  # `accelerate launch ARGS`: Accelerate's front, the same agent inside
+        del sys.argv[1]
+        from accelerate.commands.launch import main as accelerate_launch
+        accelerate_launch()
+    else:
+        main()
     leave_now([])

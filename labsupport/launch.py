@@ -214,7 +214,7 @@ class RunResult:
 def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
            run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
            env: dict | None = None, check: bool = True, check_collectives: bool = False,
-           out=None) -> RunResult:
+           out=None, accelerate_config=None) -> RunResult:
     """Run `script` (or `module=`, or "-m", MODULE) on `nproc` ranks under torchrun and wait for it.
 
     Output of the ranks in `ranks` ("all" or e.g. "0") is written to `out` (default
@@ -223,6 +223,10 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     (TORCH_DISTRIBUTED_DEBUG=DETAIL), turning a silent mismatch into a named error. With `check=True` a
     failing rank raises RankFailed naming it, a run past `timeout` seconds raises
     LaunchTimeout naming the ranks still running and where; either way no process is left.
+
+    `accelerate_config=FILE` starts the ranks with `accelerate launch --config_file FILE` instead of
+    torchrun (Accelerate runs torchrun's agent in its own process, with FILE's plugin settings in
+    the ranks' environment), under the same supervision; `nproc` overrides FILE's num_processes.
     """
     if script == "-m":  # launch("-m", "pkg.mod", "--flag", ...) reads like the command line
         if not args:
@@ -244,9 +248,16 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
     from .runtime import threads_per_rank
     port = free_port()
-    cmd = [sys.executable, "-m", "labsupport.agent", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-           "--monitor-interval=0.1", "-m", "labsupport.rank", *target, *map(str, args)]
+    if accelerate_config is None:
+        agent = ["--nnodes=1", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                 "--max-restarts=0", "--monitor-interval=0.1", "-m"]
+    else:
+        if not Path(accelerate_config).is_file():
+            raise LaunchError(f"accelerate config not found: {accelerate_config}")
+        agent = ["accelerate", "--config_file", str(accelerate_config), "--num_processes", str(nproc),
+                 "--num_machines", "1", "--main_process_port", str(port), "--max_restarts", "0",
+                 "--monitor_interval", "0.1", "--module"]
+    cmd = [sys.executable, "-m", "labsupport.agent", *agent, "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),
                  "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1",
                  "OMP_NUM_THREADS": str(threads_per_rank(nproc)),

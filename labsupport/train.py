@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ddp/torch-ddp: allow parameters that get a gradient on some ranks only")
     p.add_argument("--no-prefetch", action="store_true",
                    help="zero3: gather each unit only when it is needed (no overlap with the one before)")
+    p.add_argument("--accelerate-config", default=None, metavar="FILE",
+                   help="launch with `accelerate launch --config_file FILE` (an FSDP or DeepSpeed config); "
+                        "FILE sets the strategy, ranks and ZeRO stage")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -254,12 +257,13 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
         cfg, config = validate(args, rt.world_size)
     corpus = Corpus.load(args.data)
     strategy = make_strategy(rt, config)
+    dp_rank, dp_size = strategy.data_rank()
+    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
+    strategy.plan_steps(micro, args.global_batch // (dp_size * micro), args.grad_clip)
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
-    dp_rank, dp_size = strategy.data_rank()
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
-    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
@@ -348,6 +352,23 @@ def to_argv(**options) -> list[str]:
     return argv
 
 
+def follow_accelerate_config(args, nproc: int) -> int:
+    """Set what the --accelerate-config file says (accelerate_config.py) on `args`; return its number
+    of ranks. A flag or `nproc` given otherwise is refused, one line each, rather than overridden."""
+    from .accelerate_config import options
+    wanted = options(args.accelerate_config, args.global_batch)
+    ranks, defaults = wanted.pop("nproc"), build_parser()
+    problems = [f"--{key.replace('_', '-')} {getattr(args, key)}, but {args.accelerate_config} says {value}"
+                for key, value in wanted.items() if getattr(args, key) not in (value, defaults.get_default(key))]
+    if nproc not in (1, ranks):
+        problems.append(f"--nproc {nproc}, but {args.accelerate_config} says num_processes {ranks}")
+    if problems:
+        raise ConfigError(problems)
+    for key, value in wanted.items():
+        setattr(args, key, value)
+    return ranks
+
+
 def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None, **options) -> dict:
     """Launch this loop on `nproc` ranks and return its summary (the `labsupport train --json` object).
 
@@ -361,9 +382,11 @@ def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = 
     """`run` with the options already parsed (`labsupport train` parses them with its own flags).
     They are checked here, once; the ranks receive what was checked."""
     from .launch import launch
+    if args.accelerate_config:
+        nproc = follow_accelerate_config(args, nproc)
     model, config = validate(args, nproc)
     res = launch("-m", "labsupport.train", nproc=nproc, timeout=timeout, ranks=ranks, out=out,
-                 run_dir=args.run_dir, name=f"train-{args.strategy}",
+                 run_dir=args.run_dir, name=f"train-{args.strategy}", accelerate_config=args.accelerate_config,
                  env={CHECKED_ENV: dump_checked(args, model, config)})
     reports = [res.report(r) for r in range(nproc)]
     r0 = reports[0]

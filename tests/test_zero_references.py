@@ -28,6 +28,7 @@ TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerat
     ("accelerate-fsdp", 4, ["--micro-batch", "1"]),  # FSDP's no_sync
     ("accelerate-fsdp", 2, ["--zero", "2"]),         # SHARD_GRAD_OP
     ("accelerate-fsdp", 2, ["--zero", "0"]),         # NO_SHARD (the run the memory test reads too)
+    ("accelerate-deepspeed", 2, ["--zero", "1", "--micro-batch", "2"]),  # accumulated in DeepSpeed; ZeRO-3: test_accelerate_launch
 ])
 def test_reference_matches_single_step_by_step(strategy, nproc, extra):
     out = train(strategy, nproc, *extra)
@@ -98,6 +99,7 @@ def test_reference_stages_and_defaults():
     stages = {name: ParallelConfig.build(2, name).zero for name in ("torch-zero1", "torch-fsdp", "accelerate-fsdp")}
     assert stages == {"torch-zero1": 1, "torch-fsdp": 3, "accelerate-fsdp": 3}  # accelerate-fsdp: FULL_SHARD
     assert ParallelConfig.build(2, "accelerate-fsdp", zero=0).zero == 0  # NO_SHARD, when asked for
+    assert ParallelConfig.build(2, "accelerate-deepspeed").zero == 2  # Accelerate's default stage
 
 
 @pytest.mark.parametrize("args, message", [
@@ -105,6 +107,7 @@ def test_reference_stages_and_defaults():
     (["--strategy", "accelerate-fsdp", "--nproc", "1"], "strategy 'accelerate-fsdp' shards over data-parallel ranks"),
     (["--strategy", "torch-fsdp", "--nproc", "2", "--zero", "2"], "'torch-fsdp' is ZeRO stage 3, but --zero 2"),
     (["--strategy", "torch-zero1", "--nproc", "1"], "strategy 'torch-zero1' shards over data-parallel ranks"),
+    (["--strategy", "accelerate-deepspeed", "--nproc", "2", "--zero", "0"], "'accelerate-deepspeed' needs ZeRO stage 1"),
 ])
 def test_bad_reference_arguments_fail_before_start(args, message):
     res = cli("train", *args)

@@ -49,6 +49,11 @@ def accelerate_fsdp():
     return AccelerateFSDP
 
 
+def accelerate_deepspeed():
+    from .accelerate_deepspeed import AccelerateDeepSpeed
+    return AccelerateDeepSpeed
+
+
 def torch_tp():
     from .torch_tp import TorchTP
     return TorchTP
@@ -70,6 +75,7 @@ STRATEGIES = {
     "torch-zero1": Entry(torch_zero1, ("dp",), zero=1),
     "torch-fsdp": Entry(torch_fsdp, ("dp",), zero=3),
     "accelerate-fsdp": Entry(accelerate_fsdp, ("dp",), zero=None, default_zero=3),  # it refuses 1
+    "accelerate-deepspeed": Entry(accelerate_deepspeed, ("dp",), zero=None, default_zero=2),  # it refuses 0
     "tp": preset(("tp",)),
     "torch-tp": Entry(torch_tp, ("tp",)),
     "pp": preset(("pp",)),

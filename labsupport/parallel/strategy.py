@@ -46,6 +46,10 @@ class Strategy:
         """Put the model on this rank's device and split it as the strategy says."""
         return model.to(self.rt.device)
 
+    def plan_steps(self, micro_batch: int, accumulation: int, max_norm: float) -> None:
+        """What each step will be, told before `parallelize`: for a library that runs the step itself
+        and is configured with it (DeepSpeed); the loop's own strategies need none of it."""
+
     def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float):
         return adamw(model.parameters(), lr, weight_decay)
 
