@@ -259,7 +259,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     strategy = make_strategy(rt, config)
     dp_rank, dp_size = strategy.data_rank()
     micro = config.micro_batch_size(args.global_batch, args.micro_batch)
-    strategy.plan_steps(micro, args.global_batch // (dp_size * micro), args.grad_clip)
+    strategy.set_step(micro, args.global_batch // (dp_size * micro), args.grad_clip)
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)

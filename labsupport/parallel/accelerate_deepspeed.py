@@ -5,7 +5,7 @@ states, then the gradients too, then the parameters too, divided over the data-p
 Stage 0 (nothing divided) is `accelerate-ddp`. The plugin is made from the fields an Accelerate
 YAML's `deepspeed_config` holds (zero_stage, gradient_accumulation_steps, gradient_clipping,
 offload devices; configs/accelerate/deepspeed.yaml), which need the step's shape and the loop's
-clipping norm: `plan_steps` is where the loop says them. Under `accelerate launch` those YAML keys
+clipping norm: `set_step` is where the loop says them. Under `accelerate launch` those YAML keys
 reach the ranks as environment variables, which these fields override; the launcher checked
 before starting that the two agree (accelerate_config.py).
 
@@ -50,10 +50,10 @@ class AccelerateDeepSpeed(Strategy):
                     "for no sharding use --strategy accelerate-ddp"]
         return []
 
-    def plan_steps(self, micro_batch: int, accumulation: int, max_norm: float) -> None:
+    def set_step(self, micro_batch: int, accumulation: int, grad_clip: float) -> None:
         """DeepSpeed's configuration holds the step's shape and the clipping norm: the Accelerator is made here."""
         plugin = DeepSpeedPlugin(zero_stage=self.config.zero, gradient_accumulation_steps=accumulation,
-                                 gradient_clipping=max_norm, offload_optimizer_device="none",
+                                 gradient_clipping=grad_clip, offload_optimizer_device="none",
                                  offload_param_device="none", zero3_init_flag=False)
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch  # Accelerate reads it off a DataLoader
         # ZeRO-3 keeps a parameter under 1e5 elements whole on every rank by default: all of the CPU presets' are

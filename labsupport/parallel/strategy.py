@@ -42,13 +42,14 @@ class Strategy:
 
     # ------------------------------------------------------------ placement
 
+    def set_step(self, micro_batch: int, accumulation: int, grad_clip: float) -> None:
+        """What a step will be, told before the model is placed: sequences per micro-batch,
+        micro-batches per step, the clipping norm. A library that runs the step itself (DeepSpeed)
+        is configured with them; the loop gives them to the others step by step."""
+
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Put the model on this rank's device and split it as the strategy says."""
         return model.to(self.rt.device)
-
-    def plan_steps(self, micro_batch: int, accumulation: int, max_norm: float) -> None:
-        """What each step will be, told before `parallelize`: for a library that runs the step itself
-        and is configured with it (DeepSpeed); the loop's own strategies need none of it."""
 
     def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float):
         return adamw(model.parameters(), lr, weight_decay)
