@@ -156,8 +156,8 @@ def fp16_problems(strategy: str) -> list[str]:
     the scaled loss (a library's own), or a device where autocast has no float16."""
     entry = STRATEGIES.get(strategy)
     if entry is not None and not entry.load().fp16:
-        return [f"--dtype fp16: {strategy} runs backward its library's way, without our loss scaling; "
-                f"use our strategies ({', '.join(n for n, e in STRATEGIES.items() if e.load().fp16)}) or --dtype bf16"]
+        return [f"--dtype fp16: {strategy} runs backward its library's way, without our loss scaling "
+                "(which the presets of our composition have); use --dtype bf16"]
     device = "cpu" if os.environ.get("LABSUPPORT_DEVICE") == "cpu" or not torch.cuda.is_available() else "cuda"
     problem = fp16_problem(device)  # the device the ranks will pick (runtime.pick_device)
     return [problem] if problem else []
@@ -303,7 +303,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     autocast = torch.autocast(rt.device.type, dtype=AUTOCAST[args.dtype]) if AUTOCAST[args.dtype] else None
     if args.dtype == "fp16":
-        strategy.loss_scaler = LossScaler(rt.device.type, **({"init_scale": args.loss_scale} if args.loss_scale else {}))
+        strategy.loss_scaler = LossScaler(rt.device, **({"init_scale": args.loss_scale} if args.loss_scale else {}))
     scaler = strategy.loss_scaler
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))

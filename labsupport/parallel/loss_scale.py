@@ -33,14 +33,15 @@ from .. import comm
 class LossScaler(torch.amp.GradScaler):
     """torch's GradScaler whose skip decision is combined over `group` (default: every rank).
 
-        scaler = LossScaler("cpu")
+        scaler = LossScaler(torch.device("cpu"))
         scaler.scale(loss).backward(); <finish the gradients>
         scaler.unscale_(optimizer); <clip>; scaler.step(optimizer); scaler.update()
         scaler.skipped  # whether this step was skipped, the same on every rank
     """
 
-    def __init__(self, device: str, group=None, **options):
-        super().__init__(device, **options)
+    def __init__(self, device: torch.device, group=None, **options):
+        super().__init__(device.type, **options)
+        self.scale(torch.zeros((), device=device))  # S made now: a pipeline stage without the loss scales none
         self.group = group
         self.found_inf: torch.Tensor | None = None
 
