@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import planted_copy
-from harness import PLANTS, assert_same_as_single, planted, single, train
+from harness import PLANTS, assert_same_as_single, planted, resume, single, train
 from labsupport import train as train_module
 from labsupport.estimate.memory import estimate_memory, tinygpt_activation_bytes
 from labsupport.launch import launch
@@ -81,6 +81,18 @@ def test_a_forced_overflow_is_skipped_counted_and_halves_the_scale_on_every_rank
         assert [r["step"] for r in rec if r["skipped"]] == skipped, f"rank {rank} skipped other steps"
         assert [r["loss_scale"] for r in rec] == scales, f"rank {rank} has other loss scales"
     assert out["losses"][-1] < out["losses"][0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_fp16_run_resumes_with_its_loss_scale(tmp_path):
+    """At GradScaler's 2^16 nano's step 5 overflows; resumed from step 10, the run goes on at the
+    halved scale it had reached (the scaler's state is in the checkpoint), bit-identical."""
+    full = train("single", 1, "--dtype", "fp16")
+    assert any(step < 10 for step in full["skipped_steps"]), "this test needs an overflow before the checkpoint"
+    resumed = resume(full, 10, tmp_path)
+    for key in ("losses", "grad_norms", "loss_scales", "skipped_steps"):
+        assert resumed[key] == full[key], key
 
 
 SCALER = textwrap.dedent('''
