@@ -140,8 +140,8 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         peaks = peak_tflops(name)
         if peaks is None:
             return float("nan"), f"unknown GPU {name!r}: no peak in the table"
-        bf16 = dtype == torch.bfloat16
-        return (peaks[1] if bf16 else peaks[0]) * 1e12, f"{name} datasheet {'bf16' if bf16 else 'fp32'}"
+        half = dtype in (torch.bfloat16, torch.float16)  # the datasheets' dense fp16 and bf16 peaks are equal
+        return (peaks[1] if half else peaks[0]) * 1e12, f"{name} datasheet {'bf16/fp16' if half else 'fp32'}"
     return cpu_peak_flops(), "CPU: measured fp32 matmul throughput of this rank's threads"
 
 

@@ -35,10 +35,12 @@ from .estimate.schedules import SCHEDULES
 from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, get_preset, preset_shape
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import TinyGPT, generate
-from .parallel import DDP_MODES, ConfigError, ParallelConfig, make_strategy, strategy_names
+from .parallel import DDP_MODES, STRATEGIES, ConfigError, ParallelConfig, make_strategy, strategy_names
+from .parallel.loss_scale import LossScaler, fp16_problem
 from .rundir import make_run_dir
 
 CHECKED_ENV = "LABSUPPORT_TRAIN_CONFIG"  # where run() hands its ranks the checked options, as JSON
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: what autocast computes in
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=list(AUTOCAST), default="fp32",
+                   help="fp32; or autocast to bf16, or to fp16 with dynamic loss scaling (fp32 weights, gradients, Adam)")
+    p.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: the initial loss scale (default 65536, torch's GradScaler's), halved on overflow")
     p.add_argument("--eval-every", type=int, default=0, help="validation every K steps (0: at the end only)")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--sample-chars", type=int, default=200, help="characters generated at the end (0: none)")
@@ -134,6 +139,10 @@ def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
         problems.append("--checkpoint-every and --eval-every must be >= 0")
     if not 0 <= args.dropout < 1:
         problems.append("--dropout must be in [0, 1)")
+    if args.dtype == "fp16":
+        problems += fp16_problems(args.strategy)
+    if args.loss_scale is not None and (args.dtype != "fp16" or not args.loss_scale > 0):
+        problems.append("--loss-scale must be > 0 and needs --dtype fp16 (bf16 and fp32 need no loss scaling)")
     if problems:
         raise ConfigError(problems)
     vocab = len(vocabulary(load_text(args.data))) if args.data is not None else None  # DataError for a bad file
@@ -143,6 +152,18 @@ def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
     if args.resume:
         check_resume(args.checkpoint_dir, layout(config, world_size))
     return model, config
+
+
+def fp16_problems(strategy: str) -> list[str]:
+    """What stops `--dtype fp16` before any rank starts: a strategy whose backward does not start from
+    the scaled loss (a library's own), or a device where autocast has no float16."""
+    entry = STRATEGIES.get(strategy)
+    if entry is not None and not entry.load().fp16:
+        return [f"--dtype fp16: {strategy} runs backward its library's way, without our loss scaling "
+                "(which the presets of our composition have); use --dtype bf16"]
+    device = "cpu" if os.environ.get("LABSUPPORT_DEVICE") == "cpu" or not torch.cuda.is_available() else "cuda"
+    problem = fp16_problem(device)  # the device the ranks will pick (runtime.pick_device)
+    return [problem] if problem else []
 
 
 def dump_checked(args, model: ModelConfig, config: ParallelConfig) -> str:
@@ -167,15 +188,25 @@ def lr_at(step: int, args) -> float:
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def train_step(strategy, model, optimizer, batches, grad_clip: float, autocast=None):
-    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, global grad norm)."""
+def train_step(strategy, model, optimizer, batches, grad_clip: float, autocast=None, scaler=None):
+    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, global grad norm).
+
+    Under fp16, `scaler` (the strategy's `loss_scaler`, loss_scale.py): the backward started from the
+    scaled loss, so the gradients are unscaled before the clip measures them, and the update is
+    skipped on every rank when one found an inf or NaN."""
     optimizer.zero_grad(set_to_none=True)
     loss = strategy.forward_backward(model, batches, autocast)
     with comm.phase("finish_backward"):
         strategy.finish_backward(model)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = strategy.clip_grad_norm_(model, grad_clip)
     with comm.phase("optimizer"):
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
     return loss, grad_norm
 
 
@@ -224,22 +255,32 @@ def save_checkpoint(args, rt, strategy, model, optimizer, step, history, run_lay
     checkpoint.save(args.checkpoint_dir, step, rt.rank, {
         "model": strategy.model_state(model), "optimizer": strategy.optimizer_state(optimizer),
         "rng": checkpoint.rng_state(), "step": step,
+        **({"loss_scaler": strategy.loss_scaler.state_dict()} if strategy.loss_scaler is not None else {}),
         **{key: torch.tensor(values, dtype=torch.float64) for key, values in history.items()}},
         barrier=lambda: comm.barrier() if rt.distributed else None, layout=run_layout)
 
 
 def resume(args, rt, strategy, model, optimizer, run_layout) -> tuple[int, dict]:
-    """Load the latest complete checkpoint, if any: (its step, the losses and norms so far)."""
+    """Load the latest complete checkpoint, if any: (its step, the losses and norms so far, and
+    under fp16 each step's loss scale and the steps skipped)."""
+    history = {"losses": [], "grad_norms": []}
+    if strategy.loss_scaler is not None:
+        history.update(loss_scales=[], skipped_steps=[])
     step = checkpoint.latest(args.checkpoint_dir) if args.resume else None
     if step is None:
-        return 0, {"losses": [], "grad_norms": []}
+        return 0, history
     check_resume(args.checkpoint_dir, run_layout)
     state = checkpoint.load(args.checkpoint_dir, step, rt.rank)
     strategy.load_model_state(model, state["model"])
     strategy.load_optimizer_state(optimizer, state["optimizer"])
     checkpoint.set_rng_state(state["rng"])
+    if strategy.loss_scaler is not None:
+        strategy.loss_scaler.load_state_dict(state["loss_scaler"])
     rt.print(f"resumed from step {step} in {args.checkpoint_dir}")
-    return step, {key: state[key].tolist() for key in ("losses", "grad_norms")}
+    history = {key: state[key].tolist() for key in history}
+    if "skipped_steps" in history:  # step numbers, saved as float64 like the rest
+        history["skipped_steps"] = [int(s) for s in history["skipped_steps"]]
+    return step, history
 
 
 def write_trace(path, rank, step, events) -> None:
@@ -264,11 +305,14 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
-    autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
+    autocast = torch.autocast(rt.device.type, dtype=AUTOCAST[args.dtype]) if AUTOCAST[args.dtype] else None
+    if args.dtype == "fp16":
+        strategy.loss_scaler = LossScaler(rt.device, **({"init_scale": args.loss_scale} if args.loss_scale else {}))
+    scaler = strategy.loss_scaler
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
     metrics_log = JsonlWriter(os.path.join(run_dir, f"metrics-rank{rt.rank}.jsonl"))
-    peak_flops, peak_source = device_peak(rt.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    peak_flops, peak_source = device_peak(rt.device, AUTOCAST[args.dtype] or torch.float32)
     memory = MemoryPeaks(rt.device)
     run_layout = layout(config, rt.world_size)
     start_step, history = resume(args, rt, strategy, model, optimizer, run_layout)
@@ -289,18 +333,24 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
         comm.reset()
         t0 = time.perf_counter()
         with comm.timing(last) as events, ActivationMeter().measure() as meter:  # the last step is traced
-            loss, grad_norm = train_step(strategy, model, optimizer, batches, args.grad_clip, autocast)
+            scale = scaler.get_scale() if scaler is not None else None  # the loss scale of this step's backward
+            loss, grad_norm = train_step(strategy, model, optimizer, batches, args.grad_clip, autocast, scaler)
         dt = time.perf_counter() - t0
         step_comm, step_groups = comm.counts(), comm.group_counts()  # the step's traffic, before bookkeeping
         history["losses"].append(strategy.reduce_loss(loss))
         history["grad_norms"].append(grad_norm)
+        if scaler is not None:
+            history["loss_scales"].append(scale)
+            if scaler.skipped:
+                history["skipped_steps"].append(step)
         step_times.append(dt)
         peaks = memory.update(model, optimizer, meter.peak)
         if last:
             write_trace(os.path.join(run_dir, f"trace-rank{rt.rank}.json"), rt.rank, step, events)
         record = {"step": step, "loss": history["losses"][-1], "lr": lr, "grad_norm": grad_norm, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": mfu(tokens_per_step / dt / rt.world_size, cfg, peak_flops),
-                  "memory": peaks, "comm": step_comm}
+                  "memory": peaks, "comm": step_comm,
+                  **({"loss_scale": scale, "skipped": scaler.skipped} if scaler is not None else {})}
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
             val_losses.append([done, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
@@ -393,6 +443,7 @@ def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = 
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
                                         "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",
                                         "step_s_median", "parallel")}
+    summary.update({key: r0[key] for key in ("loss_scales", "skipped_steps") if key in r0})  # fp16
     summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
                    global_batch=args.global_batch,
                    micro_batch=config.micro_batch_size(args.global_batch, args.micro_batch),

@@ -39,6 +39,14 @@ PLANTS = {
         ("labsupport.parallel.zero", [('comm.reduce_scatter_tensor(self.shard, self.buffer, "avg"',
                                        'comm.reduce_scatter_tensor(self.shard, self.buffer, "sum"')]),
     ],
+    # fp16: the clip measures the gradients while they are still multiplied by the loss scale
+    "clip before unscale": [
+        ("labsupport.train", [("""    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = strategy.clip_grad_norm_(model, grad_clip)""", """    grad_norm = strategy.clip_grad_norm_(model, grad_clip)
+    if scaler is not None:
+        scaler.unscale_(optimizer)""")]),
+    ],
     # the tied embedding/head matrix, summed over the embedding group, counted on both stages
     "tied matrix counted twice in the norm": [
         ("labsupport.parallel.pipeline", [("counted = [p for p in counted if p is not self.tied]",

@@ -1,5 +1,6 @@
 """Notebook 01's exercises: count TinyGPT's parameters, bytes per parameter by recipe, days to
-train the workshop's 22B model, and a find-the-bug lab (gradient accumulation).
+train the workshop's 22B model, and two find-the-bug labs (gradient accumulation; an fp16 step
+that clips before it unscales).
 
 Expected values come from `estimate/` (one place per formula), so the exercises grade against
 the same numbers the notebook and the CLI print.
@@ -151,6 +152,80 @@ def accumulate(model, micro_batches):
 '''))
 
 
+# ---------------------------------------------------------------- find the bug: fp16, clip before unscale
+
+def reference_fp16_step(model, optimizer, scaler, x, y, max_norm=1.0):
+    """torch's recipe (and train.train_step's order): unscale, then clip, then step and update."""
+    import torch
+
+    from ..model import lm_loss
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = lm_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def grade_fp16_step(fn, source) -> str:
+    """Three fp16 steps of nano from the same start: the attendee's and the reference's must return the
+    same gradient norms and leave the same weights."""
+    import torch
+
+    from ..model import TinyGPT, get_preset
+    runs = []
+    for step in (fn, reference_fp16_step):
+        torch.manual_seed(0)
+        model = TinyGPT(get_preset("nano").with_vocab(57))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        gen = torch.Generator().manual_seed(0)
+        norms = []
+        for _ in range(3):
+            x = torch.randint(0, 57, (4, 32), generator=gen)
+            norms.append(float(attempt(step, model, optimizer, scaler, x, torch.roll(x, -1, dims=1))))
+        runs.append((norms, torch.cat([p.detach().flatten() for p in model.parameters()]), scaler.get_scale()))
+    (norms, weights, scale), (want, ref_weights, _) = runs
+    ratio = norms[0] / want[0]
+    if abs(ratio - 1) > 1e-3:
+        raise Wrong(f"the gradient norm you measure is {ratio:,.0f}x the true one ({norms[0]:.4g} vs {want[0]:.4g}; "
+                    f"the loss scale is {scale:,.0f}), so the clip shrinks every gradient by that much more than "
+                    "it should, and the updates drift away from fp32's")
+    if not torch.allclose(weights, ref_weights, rtol=0, atol=1e-6):
+        raise Wrong("the gradient norms are right, but the weights after 3 steps differ from the reference's: "
+                    "does every step update, unscaled and clipped, and clear the gradients?")
+    return f"unscaled before the clip: true gradient norms ({want[0]:.3f}, ...), weights as the reference's"
+
+
+register(Exercise(
+    name="fp16_step", notebook="01", title="Find the bug: an fp16 step that clips the scaled gradients",
+    grade=grade_fp16_step, bug_lab=True,
+    hints=("After `scaler.scale(loss).backward()` every gradient is S times the true one. What does the clip "
+           "measure, and which threshold does it compare that with?",
+           "`scaler.unscale_(optimizer)` divides the gradients by S. The clip must see the true gradients: "
+           "unscale first, then clip; `scaler.step` will not unscale twice."),
+    solution='''
+import torch
+
+from labsupport.model import lm_loss
+
+
+def fp16_step(model, optimizer, scaler, x, y, max_norm=1.0):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = lm_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)                     # the true gradients first ...
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ... then the clip measures them
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+'''))
+
+
 # Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
 # and not in the notebook's cell, which the attendee reads before predicting.
 # A {field} is a value the cell passes: why="NAME", field=value.
@@ -159,6 +234,10 @@ WHY = {
                "128 positions the embeddings are small."),
     "optimizer_mb": ("8 bytes (Adam's two fp32 moments) x {padded_params:,} parameters, the vocabulary padding rows "
                      "included, + a 4-byte `step` per tensor ({n_tensors} tensors): {optimizer_bytes:,} bytes."),
+    "fp16_skipped": ("The first backward at S = {first_scale:,.0f} overflowed fp16 ({largest:,} is its largest number): "
+                     "the step was skipped and S halved, {skipped} times, until S = {good_scale:,.0f} let the "
+                     "gradients through. Each skip costs a whole step of compute and teaches the model nothing; "
+                     "from GradScaler's default 65,536 a run usually skips none or a few."),
     "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
                     "micro's matmuls are large enough for a CPU to come close to it. On a GPU this tiny model would "
                     "reach a few percent (see below)."),

@@ -71,6 +71,8 @@ class Parallel(Strategy):
     as on one device; with a pipeline, this stage's chunks as an `nn.ModuleList`.
     """
 
+    fp16 = True  # the plain loop and the pipeline's executor both start backward from `scale_loss`
+
     def parallelize(self, model):
         self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)
         self.pipeline = next((s for s in self.steps if s.axis == "pp"), None)  # it runs the micro-batches
@@ -99,7 +101,7 @@ class Parallel(Strategy):
     def forward_backward(self, model, batches, autocast=None):
         if self.pipeline:
             return self.pipeline.forward_backward(self.parts, batches, self.stage_actions(len(batches)), self.loss_fn,
-                                                  lambda: self.no_sync(model), autocast)
+                                                  lambda: self.no_sync(model), autocast, self.scale_loss)
         return super().forward_backward(model, batches, autocast)
 
     def stage_actions(self, m: int) -> list:

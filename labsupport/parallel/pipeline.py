@@ -131,7 +131,7 @@ class PipelineSplit(Step):
         """This stage's actions of the configured schedule for a step of m micro-batches."""
         return schedule(self.config.schedule, self.config.pp, m, self.config.chunks)[self.mesh.pp_rank]
 
-    def forward_backward(self, parts, batches, actions, loss_fn, no_sync, autocast=None):
+    def forward_backward(self, parts, batches, actions, loss_fn, no_sync, autocast=None, scale_loss=None):
         """Run this stage's `actions`. Returns the mean loss of the micro-batches on the last stage;
         the other stages compute no loss and return NaN (`reduce_loss` sends every stage the last one's).
         Every backward but each chunk's last runs under `no_sync()`: data parallelism communicates in
@@ -165,6 +165,8 @@ class PipelineSplit(Step):
                             loss = loss_fn(out, y)
                             losses.append(loss.detach().float())
                             out = loss / m  # this micro-batch's share of the mean loss
+                            if scale_loss is not None:  # fp16: backward starts from the scaled loss
+                                out = scale_loss(out)
                     outputs[key] = out
                 else:
                     with comm.phase("backward"), no_sync() if action.microbatch < m - 1 else nullcontext():

@@ -29,6 +29,8 @@ from .optim import adamw
 
 class Strategy:
     name = "single"
+    fp16 = False        # whether every backward it runs starts from `scale_loss` (--dtype fp16 needs it)
+    loss_scaler = None  # under fp16, the loop's LossScaler (loss_scale.py)
 
     @classmethod
     def problems(cls, config, model=None, microbatches: int | None = None) -> list[str]:
@@ -80,9 +82,13 @@ class Strategy:
                 with comm.phase("forward"), autocast or nullcontext():
                     loss = self.loss_fn(model(x), y)
                 with comm.phase("backward"):
-                    self.backward(loss / len(batches))
+                    self.backward(self.scale_loss(loss / len(batches)))
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss a backward starts from: under fp16, times the loss scale (loss_scale.py)."""
+        return loss if self.loss_scaler is None else self.loss_scaler.scale(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
