@@ -218,6 +218,7 @@ def sample(strategy, model, corpus, cfg, n_chars: int, seed: int, device) -> str
 
 
 def save_checkpoint(args, rt, strategy, model, optimizer, step, history, run_layout) -> None:
+    strategy.save_state(checkpoint.step_dir(args.checkpoint_dir, step))
     checkpoint.save(args.checkpoint_dir, step, rt.rank, {
         "model": strategy.model_state(model), "optimizer": strategy.optimizer_state(optimizer),
         "rng": checkpoint.rng_state(), "step": step,
@@ -234,6 +235,7 @@ def resume(args, rt, strategy, model, optimizer, run_layout) -> tuple[int, dict]
     state = checkpoint.load(args.checkpoint_dir, step, rt.rank)
     strategy.load_model_state(model, state["model"])
     strategy.load_optimizer_state(optimizer, state["optimizer"])
+    strategy.load_state(checkpoint.step_dir(args.checkpoint_dir, step))
     checkpoint.set_rng_state(state["rng"])
     rt.print(f"resumed from step {step} in {args.checkpoint_dir}")
     return step, {key: state[key].tolist() for key in ("losses", "grad_norms")}
@@ -254,12 +256,13 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
         cfg, config = validate(args, rt.world_size)
     corpus = Corpus.load(args.data)
     strategy = make_strategy(rt, config)
+    dp_rank, dp_size = strategy.data_rank()
+    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
+    strategy.set_step(micro, args.global_batch // (dp_size * micro), args.grad_clip)
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
-    dp_rank, dp_size = strategy.data_rank()
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
-    micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))

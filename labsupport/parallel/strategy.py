@@ -42,6 +42,11 @@ class Strategy:
 
     # ------------------------------------------------------------ placement
 
+    def set_step(self, micro_batch: int, accumulation: int, grad_clip: float) -> None:
+        """What a step will be, told before the model is placed: sequences per micro-batch,
+        micro-batches per step, the clipping norm. A library that runs the step itself (DeepSpeed)
+        is configured with them; the loop gives them to the others step by step."""
+
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Put the model on this rank's device and split it as the strategy says."""
         return model.to(self.rt.device)
@@ -123,6 +128,13 @@ class Strategy:
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
+
+    def save_state(self, directory) -> None:
+        """Save what a library checkpoints itself (DeepSpeed's engine) into the step's `directory`,
+        before the loop writes its own files there: every rank calls it."""
+
+    def load_state(self, directory) -> None:
+        """Load what `save_state` wrote, after the loop loaded its own files."""
 
     def close(self, model) -> None:
         """Remove the hooks the strategy put on the model (a notebook may train it again)."""

@@ -1,0 +1,95 @@
+"""DeepSpeed's ZeRO (the `deepspeed` strategy) is proven like our ZeRO and torch's: same losses and
+gradient norms as `single` at every step, the memory each stage claims to divide divided, its
+collectives counted (through our door) against the ZeRO paper's traffic, and its own checkpoint
+resumed bit-identically."""
+import pytest
+
+from conftest import cli
+from harness import assert_same_as_single, assert_traffic_in, resume, single, train
+from labsupport.ds_config import ds_config
+from labsupport.parallel import ParallelConfig
+
+pytestmark = pytest.mark.multiprocess
+
+# Each stage's run on 2 ranks, which the memory, traffic and resume tests below read too
+TWO_RANKS = {1: ["--zero", "1"], 2: ["--zero", "2", "--micro-batch", "2"], 3: ["--zero", "3"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, nproc, extra", [
+    (1, 2, TWO_RANKS[1]),
+    (2, 2, TWO_RANKS[2]),                    # 2 accumulation steps: engine.step() steps on the second only
+    (3, 2, TWO_RANKS[3]),
+    (3, 4, ["--zero", "3", "--micro-batch", "1"]),  # 4 ranks, 2 accumulation steps
+])
+def test_deepspeed_matches_single_step_by_step(stage, nproc, extra):
+    out = train("deepspeed", nproc, *extra)
+    assert out["world_size"] == nproc and out["parallel"]["zero"] == stage
+    assert_same_as_single(out, single(), params="whole")  # the loop's file holds the whole model
+
+
+@pytest.mark.slow
+def test_deepspeed_divides_what_each_stage_shards_and_talks_as_the_paper_says():
+    """Per rank, against `single`: ZeRO-1 and -2 hold 1/N of the Adam moments plus 1/N of the
+    parameters again, the fp32 copy DeepSpeed updates (so 1.5/N of single's optimizer bytes);
+    ZeRO-3 holds 1/N of the parameters and updates them in place. DeepSpeed frees the gradients
+    inside its step, so after the step none are held.
+    Traffic, counted by our door (DeepSpeed's torch backend wrapped): the parameters all-gathered
+    once per step after the update (ZeRO-1/2) and the gradients reduced once, Psi each, the paper's
+    2 Psi (Sec. 7.2.1); ZeRO-3 gathers the parameters for forward and again for backward: 3 Psi."""
+    n, base = 2, single()["memory"][0]
+    for stage in (1, 3):
+        out = train("deepspeed", n, *TWO_RANKS[stage])
+        assert_traffic_in(out, {"dp"}, exact=True)
+        for rank in range(n):
+            mine = out["memory"][rank]
+            params = base["params"] / n if stage == 3 else base["params"]
+            optimizer = base["optimizer"] / n * (1 if stage == 3 else 1.5)
+            assert abs(mine["params"] - params) <= 0.01 * base["params"], (stage, rank, mine, base)
+            assert abs(mine["optimizer"] - optimizer) <= 0.01 * base["optimizer"], (stage, rank, mine, base)
+            assert mine["grads"] == 0, (stage, rank, mine)
+            ops = out["comm"][rank]
+            gathered = ops["all_gather"]["payload_bytes"]
+            reduced = sum(ops[op]["payload_bytes"] for op in ("reduce", "reduce_scatter", "all_reduce") if op in ops)
+            psi = base["params"]  # fp32 bytes of every parameter (with the vocabulary's padding rows)
+            assert gathered / psi == pytest.approx(2 if stage == 3 else 1, rel=0.01), (stage, ops)
+            assert reduced / psi == pytest.approx(1, rel=0.01), (stage, ops)
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoint_resumes_bit_identically(tmp_path):
+    """DeepSpeed's save_checkpoint writes each rank's partition into the step's directory; resumed
+    from step 10 through load_checkpoint, a run reports the same 20 losses and norms."""
+    full = train("deepspeed", 2, *TWO_RANKS[3])
+    assert (full.checkpoint_dir / "step000010" / "deepspeed").is_dir()
+    resumed = resume(full, 10, tmp_path)
+    assert resumed["resumed_from"] == 10
+    assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
+
+
+def test_deepspeed_defaults_to_zero1_as_the_workshop_runs():
+    assert ParallelConfig.build(2, "deepspeed").zero == 1
+    assert ParallelConfig.build(2, "deepspeed", zero=3).layout()["zero"] == 3
+
+
+def test_ds_config_follows_deepspeed_keys_and_our_recipe():
+    from labsupport.parallel.optim import BETAS
+    config = ds_config(2, 4, 8, 3, reduce_bucket=10, allgather_bucket=20, grad_clip=1.0, dtype="fp16", lr=3e-3,
+                       weight_decay=0.1)
+    assert config["train_batch_size"] == 2 * 4 * 8 and config["gradient_accumulation_steps"] == 4
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 20
+    assert config["fp16"]["loss_scale"] == 0, "dynamic loss scaling"
+    assert config["optimizer"]["params"]["betas"] == list(BETAS)
+    assert "optimizer" not in ds_config(1, 1, 2, 1) and "stage3_prefetch_bucket_size" not in ds_config(1, 1, 2, 1)[
+        "zero_optimization"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--zero", "0"], "strategy 'deepspeed' without ZeRO is DDP"),
+    (["--zero", "2", "--bucket-mb", "1e-9"], "strategy 'deepspeed': DeepSpeed refuses the ds_config"),
+    (["--nproc", "1"], "strategy 'deepspeed' shards over data-parallel ranks"),
+])
+def test_bad_deepspeed_arguments_fail_before_start(args, message):
+    res = cli("train", "--strategy", "deepspeed", *(["--nproc", "2"] if "--nproc" not in args else []), *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
