@@ -29,31 +29,37 @@ def test_deepspeed_matches_single_step_by_step(stage, nproc, extra):
 
 
 @pytest.mark.slow
-def test_deepspeed_divides_what_each_stage_shards_and_talks_as_the_paper_says():
-    """Per rank, against `single`: ZeRO-1 and -2 hold 1/N of the Adam moments plus 1/N of the
-    parameters again, the fp32 copy DeepSpeed updates (so 1.5/N of single's optimizer bytes);
-    ZeRO-3 holds 1/N of the parameters and updates them in place. DeepSpeed frees the gradients
-    inside its step, so after the step none are held.
-    Traffic, counted by our door (DeepSpeed's torch backend wrapped): the parameters all-gathered
-    once per step after the update (ZeRO-1/2) and the gradients reduced once, Psi each, the paper's
-    2 Psi (Sec. 7.2.1); ZeRO-3 gathers the parameters for forward and again for backward: 3 Psi."""
+def test_deepspeed_divides_what_each_stage_shards_and_talks_against_the_paper():
+    """Per rank, against `single`: ZeRO-1 holds 1/N of the Adam moments plus 1/N of the parameters
+    again, the fp32 copy DeepSpeed updates (1.5/N of single's optimizer bytes); ZeRO-3 holds 1/N of
+    the parameters and updates them in place. DeepSpeed frees the gradients inside its step: none
+    are held after it.
+    Traffic, counted by our door (DeepSpeed's torch backend wrapped), in units of Psi (the fp32
+    bytes of every parameter), against the paper's 2 Psi for ZeRO-1 (reduce-scatter and all-gather)
+    and 3 Psi for ZeRO-3 (Sec. 7.2): DeepSpeed's ZeRO-1 all-reduces the gradients (Psi, twice a
+    reduce-scatter's bytes on the wire) and all-gathers the updated parameters (Psi); its ZeRO-3
+    (configured to release each module's parameters after use, as ours) gathers them for forward and
+    again for backward (2 Psi, plus the tied embedding's second use each time) and reduce-scatters
+    the gradients once (Psi)."""
     n, base = 2, single()["memory"][0]
+    psi = base["params"]  # with the vocabulary's padding rows: what DeepSpeed flattens
     for stage in (1, 3):
         out = train("deepspeed", n, *TWO_RANKS[stage])
         assert_traffic_in(out, {"dp"}, exact=True)
         for rank in range(n):
             mine = out["memory"][rank]
-            params = base["params"] / n if stage == 3 else base["params"]
+            params = psi / n if stage == 3 else psi
             optimizer = base["optimizer"] / n * (1 if stage == 3 else 1.5)
-            assert abs(mine["params"] - params) <= 0.01 * base["params"], (stage, rank, mine, base)
+            assert abs(mine["params"] - params) <= 0.01 * psi, (stage, rank, mine, base)
             assert abs(mine["optimizer"] - optimizer) <= 0.01 * base["optimizer"], (stage, rank, mine, base)
             assert mine["grads"] == 0, (stage, rank, mine)
-            ops = out["comm"][rank]
-            gathered = ops["all_gather"]["payload_bytes"]
-            reduced = sum(ops[op]["payload_bytes"] for op in ("reduce", "reduce_scatter", "all_reduce") if op in ops)
-            psi = base["params"]  # fp32 bytes of every parameter (with the vocabulary's padding rows)
-            assert gathered / psi == pytest.approx(2 if stage == 3 else 1, rel=0.01), (stage, ops)
-            assert reduced / psi == pytest.approx(1, rel=0.01), (stage, ops)
+            ops = {op: c["payload_bytes"] / psi for op, c in out["comm"][rank].items()}
+            if stage == 1:
+                assert set(ops) == {"all_reduce", "all_gather"}, ops
+                assert ops["all_reduce"] == pytest.approx(1, abs=1e-3) and ops["all_gather"] == 1, ops
+            else:
+                assert ops["reduce_scatter"] == 1 and 2 < ops["all_gather"] < 2.1, ops
+                assert ops["all_reduce"] < 1e-3, ops  # the gradient norm's squares and the overflow flag
 
 
 @pytest.mark.slow

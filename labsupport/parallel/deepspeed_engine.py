@@ -58,10 +58,14 @@ COUNTED = {"all_reduce": ("all_reduce", "tensor op group", "tensor"),
            "all_gather_base": ("all_gather", "output_tensor input_tensor group", "output_tensor"),
            "all_gather_coalesced": ("all_gather", "output_tensors input_tensors group", "output_tensors")}
 
+WORLD = [None]  # what DeepSpeed's world group is counted as: the data-parallel group of the strategy last made
 
-def count_deepspeed_calls() -> None:
+
+def count_deepspeed_calls(world) -> None:
     """Have labsupport.comm count every collective DeepSpeed starts: each method of its torch
-    backend that talks is wrapped to count its call first (once per process)."""
+    backend that talks is wrapped (once per process) to count its call first. DeepSpeed's calls
+    without a group (ZeRO-3's) are on the world: here the data-parallel group `world`."""
+    WORLD[0] = world
     backend = deepspeed.comm.comm.cdb
     for method, (op, names, payload) in COUNTED.items():
         original = getattr(backend, method)
@@ -71,7 +75,9 @@ def count_deepspeed_calls() -> None:
         def counted(*args, _original=original, _op=op, _names=names.split(), _payload=payload, **kwargs):
             bound = {**dict(zip(_names, args)), **kwargs}
             tensors = bound[_payload] if isinstance(bound[_payload], (list, tuple)) else [bound[_payload]]
-            comm.count(_op, sum(t.numel() * t.element_size() for t in tensors), bound.get("group"))
+            group = bound.get("group")
+            world = group is None or group is torch.distributed.group.WORLD
+            comm.count(_op, sum(t.numel() * t.element_size() for t in tensors), WORLD[0] if world else group)
             return _original(*args, **kwargs)
         counted.counted = True
         setattr(backend, method, counted)
@@ -95,10 +101,16 @@ class DeepSpeedZeRO(Strategy):
 
     @staticmethod
     def make_ds_config(config, micro_batch: int, accumulation: int, grad_clip: float) -> dict:
+        """`ds_config` for this run. ZeRO-3 shards every parameter, as ours: DeepSpeed's default keeps
+        those under 1e5 elements whole on every rank (stage3_param_persistence_threshold), and on
+        TinyGPT that is all of them."""
         bucket = int(config.bucket_mb * 2**20 / 4)  # fp32 elements
-        return {**ds_config(micro_batch, accumulation, config.dp, config.zero, reduce_bucket=bucket,
-                            allgather_bucket=bucket, grad_clip=grad_clip),
-                "steps_per_print": 2**31 - 1}  # DeepSpeed's own progress lines: never
+        ds = ds_config(micro_batch, accumulation, config.dp, config.zero, reduce_bucket=bucket,
+                       allgather_bucket=bucket, grad_clip=grad_clip)
+        if config.zero == 3:
+            ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                                           stage3_max_live_parameters=0)
+        return {**ds, "steps_per_print": 2**31 - 1}  # DeepSpeed's own progress lines: never
 
     def __init__(self, rt, config):
         super().__init__(rt, config)
@@ -116,7 +128,7 @@ class DeepSpeedZeRO(Strategy):
             config=self.ds_config, dist_init_required=False)
         for group in (self.engine.data_parallel_group, self.engine.seq_data_parallel_group):  # DeepSpeed's own
             comm.name_group(group, "dp")
-        count_deepspeed_calls()
+        count_deepspeed_calls(world=self.mesh.dp_group)  # dp-only: the world is the data-parallel group
         return LentOptimizer(optimizer)
 
     def forward_backward(self, model, batches, autocast=None):
