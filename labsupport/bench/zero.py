@@ -19,9 +19,10 @@ HEADLINE = {"torch": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}
 
 
 def configs(world_size: int, args) -> dict[str, ParallelConfig]:
-    names = [name for pair in PAIRS[args.against].items() for name in pair]
-    return {name: ParallelConfig.build(world_size, *STRATEGY.get(name, (name, None)), bucket_mb=args.bucket_mb)
-            for name in names}
+    def config(name):
+        strategy, zero = STRATEGY.get(name, (name, None))
+        return ParallelConfig.build(world_size, strategy, zero=zero, bucket_mb=args.bucket_mb)
+    return {name: config(name) for pair in PAIRS[args.against].items() for name in pair}
 
 
 def check(nproc: int, model="micro", global_batch=16, bucket_mb=25.0, repeats=10, bucket_sweep=None,
