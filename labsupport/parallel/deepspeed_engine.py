@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -44,6 +45,12 @@ from .optim import adamw  # noqa: E402
 from .strategy import Strategy  # noqa: E402
 
 TAG = "deepspeed"  # the folder DeepSpeed saves into, inside the loop's step directory
+
+# On a CPU, DeepSpeed's torch backend compiles a shared-memory all-reduce (a C++ build on first
+# use, printed by every rank) that only its inference path calls: training never needs it
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+# DeepSpeed calls torch's all_gather_into_tensor, which torch 2.13 calls deprecated: not ours to fix
+warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated")
 
 # DeepSpeed's torch backend (deepspeed.comm's door to torch.distributed): method -> our op, its
 # arguments in order, and the one whose bytes are the payload, as labsupport.comm counts its own calls
@@ -178,7 +185,11 @@ class DeepSpeedZeRO(Strategy):
         self.engine.load_checkpoint(str(directory), tag=TAG)
 
     def close(self, model) -> None:
+        """Let go of the engine and of the process groups DeepSpeed keeps in its modules, so that
+        the runtime's teardown drops the last reference to them (runtime.py says why it matters)."""
         self.engine.destroy()
+        self.engine = WORLD[0] = None
+        deepspeed.utils.groups._release_process_group_references()
 
 
 class LentOptimizer:
