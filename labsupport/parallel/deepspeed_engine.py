@@ -5,9 +5,10 @@ The ds_config comes from the ParallelConfig and the step's shape (labsupport/ds_
 ZeRO stage `--zero` (1 when not given, as in the workshop's runs; 2 and 3 when asked), the
 micro-batch and the accumulation steps of the loop, our bucket size (`--bucket-mb`, in fp32
 elements) for the reduce and all-gather buckets, contiguous gradients, no overlap (there is no
-second stream on a CPU), and `gradient_clipping` = `--grad-clip`. We pass our optimizer (the
-decay groups of parallel/optim.py), so the update is the loop's recipe; DeepSpeed wraps it and
-keeps an fp32 copy of this rank's partition as the tensors AdamW updates.
+second stream on a CPU), and `gradient_clipping` = `--grad-clip`; ZeRO-3 shards every parameter
+and releases it after each use, as ours does (`make_ds_config`). We pass our optimizer (the decay
+groups of parallel/optim.py), so the update is the loop's recipe; under ZeRO-1/2 DeepSpeed wraps
+it around an fp32 copy of this rank's partition, which AdamW updates.
 
 DeepSpeed's loop is `engine(x); engine.backward(loss); engine.step()` for every micro-batch:
 `backward` divides by the accumulation steps and reduces the gradients (ZeRO-2/3: into this
@@ -16,9 +17,9 @@ known only once the step is taken: `forward_backward` runs DeepSpeed's loop whol
 loop asks of `clip_grad_norm_` is the engine's (before clipping), and the optimizer the loop
 holds only lends its parameter groups (the loop sets the learning rate there) and its state.
 
-DeepSpeed's collectives go through `deepspeed.comm` straight to torch.distributed, not through
-labsupport.comm, so a run reports no comm counters; DeepSpeed's own comms logger counts them
-(`traffic`). A checkpoint is DeepSpeed's own (`save_checkpoint` into the step's directory,
+DeepSpeed's collectives go through `deepspeed.comm` to torch.distributed, not through
+labsupport.comm: its torch backend's methods are wrapped to count each call with labsupport.comm
+first (`count_deepspeed_calls`), so a run reports its traffic as ours do. A checkpoint is DeepSpeed's own (`save_checkpoint` into the step's directory,
 `load_checkpoint` on resume: every rank its partition of the optimizer states and the fp32
 weights); the loop's file beside it holds the whole model, so it loads into `single`.
 `import deepspeed` takes over a second, so only this module imports it, when the strategy runs.
