@@ -2,6 +2,9 @@
 gradient norms as `single` at every step, the memory each stage claims to divide divided, its
 collectives counted (through our door) against the ZeRO paper's traffic, and its own checkpoint
 resumed bit-identically."""
+import subprocess
+import sys
+
 import pytest
 
 from conftest import cli
@@ -71,6 +74,16 @@ def test_deepspeed_checkpoint_resumes_bit_identically(tmp_path):
     resumed = resume(full, 10, tmp_path)
     assert resumed["resumed_from"] == 10
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
+
+
+def test_only_the_deepspeed_strategy_pays_for_importing_deepspeed():
+    """`import deepspeed` takes over a second: the loop, the CLI and the other strategies never import it,
+    and ds_config (for `plan --emit deepspeed`) needs neither torch nor DeepSpeed."""
+    code = ("import sys, labsupport.ds_config; alone = sorted({'torch', 'deepspeed'} & set(sys.modules)); "
+            "import labsupport.train, labsupport.cli; from labsupport.parallel import ParallelConfig; "
+            "ParallelConfig.build(2, 'zero3').check(2); print(alone, 'deepspeed' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split("\n")[-2] == "[] False", res.stdout + res.stderr
 
 
 def test_deepspeed_defaults_to_zero1_as_the_workshop_runs():

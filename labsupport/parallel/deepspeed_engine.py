@@ -71,8 +71,8 @@ WORLD = [None]  # what DeepSpeed's world group is counted as: the data-parallel 
 
 def count_deepspeed_calls(world) -> None:
     """Have labsupport.comm count every collective DeepSpeed starts: each method of its torch
-    backend that talks is wrapped (once per process) to count its call first. DeepSpeed's calls
-    without a group (ZeRO-3's) are on the world: here the data-parallel group `world`."""
+    backend that talks is wrapped (once per process) to count its call first. DeepSpeed's calls on
+    the world (ZeRO-3's pass no group) are counted on `world`, this strategy's data-parallel group."""
     WORLD[0] = world
     backend = deepspeed.comm.comm.cdb
     for method, (op, names, payload) in COUNTED.items():
@@ -109,9 +109,10 @@ class DeepSpeedZeRO(Strategy):
 
     @staticmethod
     def make_ds_config(config, micro_batch: int, accumulation: int, grad_clip: float) -> dict:
-        """`ds_config` for this run. ZeRO-3 shards every parameter, as ours: DeepSpeed's default keeps
-        those under 1e5 elements whole on every rank (stage3_param_persistence_threshold), and on
-        TinyGPT that is all of them."""
+        """`ds_config` for this run. ZeRO-3 shards every parameter and releases it after each use, as
+        ours: DeepSpeed's defaults keep parameters under 1e5 elements whole on every rank
+        (stage3_param_persistence_threshold) and gathered ones alive for reuse (stage3_max_reuse_distance,
+        stage3_max_live_parameters, 1e9 elements): on TinyGPT, all of them."""
         bucket = int(config.bucket_mb * 2**20 / 4)  # fp32 elements
         ds = ds_config(micro_batch, accumulation, config.dp, config.zero, reduce_bucket=bucket,
                        allgather_bucket=bucket, grad_clip=grad_clip)
@@ -186,8 +187,8 @@ class DeepSpeedZeRO(Strategy):
         self.engine.load_checkpoint(str(directory), tag=TAG)
 
     def close(self, model) -> None:
-        """Let go of the engine and of the process groups DeepSpeed keeps in its modules, so that
-        the runtime's teardown drops the last reference to them (runtime.py says why it matters)."""
+        """Let go of the engine and of the process groups DeepSpeed keeps in its modules (the runtime's
+        teardown wants no reference left to them: runtime.py says why)."""
         self.engine.destroy()
         self.engine = WORLD[0] = None
         deepspeed.utils.groups._release_process_group_references()
