@@ -50,8 +50,10 @@ TAG = "deepspeed"  # the folder DeepSpeed saves into, inside the loop's step dir
 # On a CPU, DeepSpeed's torch backend compiles a shared-memory all-reduce (a C++ build on first
 # use, printed by every rank) that only its inference path calls: training never needs it
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-# DeepSpeed calls torch's all_gather_into_tensor, which torch 2.13 calls deprecated: not ours to fix
-warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated")
+# DeepSpeed calls torch's all_gather_into_tensor and reduce_scatter_tensor, which torch 2.13 calls
+# deprecated: not ours to fix
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                                          "is deprecated")
 
 # DeepSpeed's torch backend (deepspeed.comm's door to torch.distributed): method -> our op, its
 # arguments in order, and the one whose bytes are the payload, as labsupport.comm counts its own calls
