@@ -47,9 +47,11 @@ from .strategy import Strategy  # noqa: E402
 
 TAG = "deepspeed"  # the folder DeepSpeed saves into, inside the loop's step directory
 
-# On a CPU, DeepSpeed's torch backend compiles a shared-memory all-reduce (a C++ build on first
-# use, printed by every rank) that only its inference path calls: training never needs it
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+# Which of DeepSpeed's C++ ops this machine could build: DeepSpeed probes every one with the
+# compiler on first asking (linker errors on stderr where a library such as libaio is missing), and
+# on a CPU its torch backend would then build a shared-memory all-reduce that only inference calls.
+# This strategy builds none (AdamW is torch's), so say so instead of probing.
+deepspeed.ops.__compatible_ops__ = {}
 # DeepSpeed calls torch's all_gather_into_tensor and reduce_scatter_tensor, which torch 2.13 calls
 # deprecated: not ours to fix
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
