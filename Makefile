@@ -15,9 +15,10 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 # What .venv holds, one stamp per step, each on top of the one before: pip and the pinned torch;
-# the package with [lab] (all that `make lab` needs); the test tools, [dev]. So `make test` after
-# `make lab` only adds the test tools.
+# DeepSpeed, built against that torch; the package with [lab] (all that `make lab` needs); the
+# test tools, [dev]. So `make test` after `make lab` only adds the test tools.
 TORCH_STAMP := $(VENV)/.torch
+DEEPSPEED_STAMP := $(VENV)/.deepspeed
 LAB_STAMP := $(VENV)/.lab
 DEV_STAMP := $(VENV)/.dev
 RUNS := $(CURDIR)/runs
@@ -56,7 +57,7 @@ help:
 	@echo "  make test       unit, multi-process, notebook (nbval) and browser tests"
 	@echo "  make gpu-check  every strategy that fits this machine's GPUs, run and checked (skips without a GPU)"
 	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
-	@echo "  make venv       create .venv: $(TORCH_PIN) first, then the package with [lab] and [dev]"
+	@echo "  make venv       create .venv: $(TORCH_PIN) first, DeepSpeed built against it, then the package with [lab] and [dev]"
 	@echo "  make browser    make sure Chromium is there for the browser tests (apt-get, as root)"
 	@echo "  make clean      remove runs/ and caches (keeps .venv)"
 	@echo "  make distclean  clean, and remove .venv too (never $(WORK)/)"
@@ -69,7 +70,15 @@ $(TORCH_STAMP): Makefile
 	$(VPY) -m pip install $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
 	touch $@
 
-$(LAB_STAMP): $(TORCH_STAMP) pyproject.toml
+# DeepSpeed is published as source only and its build imports torch: built without isolation,
+# against the pinned torch already installed (an isolated build would fetch another torch to
+# build with). The package lists it too, so the next step finds it there.
+$(DEEPSPEED_STAMP): $(TORCH_STAMP)
+	$(VPY) -m pip install setuptools wheel
+	$(VPY) -m pip install --no-build-isolation deepspeed
+	touch $@
+
+$(LAB_STAMP): $(DEEPSPEED_STAMP) pyproject.toml
 	$(VPY) -m pip install -e ".[lab]"
 	touch $@
 

@@ -316,6 +316,10 @@ def cmd_bench(args) -> int:
     else:
         options = {"model": args.model, "global_batch": args.global_batch, "bucket_mb": args.bucket_mb,
                    "repeats": args.repeats, "bucket_sweep": args.bucket_sweep, "microbatches": args.microbatches}
+        if args.against is not None:
+            if args.name != "zero":
+                raise UsageError("--against is for bench zero")
+            options["against"] = args.against
     summary = run(args.name, nproc=args.nproc, timeout=args.timeout, out=sys.stderr, **options)
     columns = [k for k in ("name", "impl", "bytes", "bucket_mb", "seconds", "busbw_GBps", "ratio")
                if k in summary["rows"][0]]
@@ -385,6 +389,8 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp, zero: bucket size of ours and torch's")
     b.add_argument("--bucket-sweep", default=None, help="ddp: extra bucket sizes for ours, e.g. 0.25,1,4")
     b.add_argument("--microbatches", type=int, default=None, help="pp: micro-batches per step (default 4)")
+    b.add_argument("--against", default=None, choices=["torch", "deepspeed"],
+                   help="zero: whose ZeRO-1 and ZeRO-3 ours race (default torch)")
 
     m = sub.add_parser("memory", help="predicted memory per device (params, grads, optimizer, activations)")
     m.add_argument("--model", default=None)

@@ -130,8 +130,18 @@ def new_group(ranks, name: str):
     """A process group with a name the counters can show (every rank must call this)."""
     group = dist.new_group(ranks=list(ranks))
     if isinstance(group, dist.ProcessGroup):  # non-members get a placeholder, not a group
-        _GROUP_NAMES[group] = name
+        name_group(group, name)
     return group
+
+
+def name_group(group, name: str) -> None:
+    """Show a group a library made itself (DeepSpeed's data-parallel group) by this name."""
+    _GROUP_NAMES[group] = name
+
+
+def count(op: str, payload: int, group=None) -> None:
+    """Count a call a library makes through its own door (DeepSpeed's deepspeed.comm), as if made here."""
+    STATS.add(group_name(group), op, payload, get_world_size(group))
 
 
 def group_name(group) -> str:

@@ -19,13 +19,15 @@ from .estimate.flops import peak_tflops, training_flops_per_token
 
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (a tied weight counts once); of a DTensor
-    (FSDP2's sharded parameters, their gradients and moments), the shard this rank holds."""
+    (FSDP2's sharded parameters, their gradients and moments) or a DeepSpeed ZeRO-3 parameter,
+    the shard this rank holds."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
         if hasattr(t, "to_local"):  # a DTensor (not imported here: widgets use this module)
             t = t.to_local()
+        t = getattr(t, "ds_tensor", t)  # a parameter DeepSpeed's ZeRO-3 partitioned: the partition held
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

@@ -252,6 +252,7 @@ def sample(strategy, model, corpus, cfg, n_chars: int, seed: int, device) -> str
 
 
 def save_checkpoint(args, rt, strategy, model, optimizer, step, history, run_layout) -> None:
+    strategy.save_state(checkpoint.step_dir(args.checkpoint_dir, step))
     checkpoint.save(args.checkpoint_dir, step, rt.rank, {
         "model": strategy.model_state(model), "optimizer": strategy.optimizer_state(optimizer),
         "rng": checkpoint.rng_state(), "step": step,
@@ -273,6 +274,7 @@ def resume(args, rt, strategy, model, optimizer, run_layout) -> tuple[int, dict]
     state = checkpoint.load(args.checkpoint_dir, step, rt.rank)
     strategy.load_model_state(model, state["model"])
     strategy.load_optimizer_state(optimizer, state["optimizer"])
+    strategy.load_state(checkpoint.step_dir(args.checkpoint_dir, step))
     checkpoint.set_rng_state(state["rng"])
     if strategy.loss_scaler is not None:
         strategy.loss_scaler.load_state_dict(state["loss_scaler"])

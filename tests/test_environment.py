@@ -206,6 +206,20 @@ def test_make_installs_the_extras_of_its_target(tmp_path, target, extras):
     assert installs[-1].endswith(f'pip install -e ".{extras}"'), installs
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_make_builds_deepspeed_against_the_pinned_torch(tmp_path):
+    """DeepSpeed is source only and its build imports torch: without build isolation, after the
+    pinned torch and before the package (which lists it), so pip never fetches another torch."""
+    res = subprocess.run(["make", "-n", "lab", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    installs = [line for line in res.stdout.splitlines() if "pip install" in line]
+    torch_at = next(i for i, line in enumerate(installs) if "torch==" in line)
+    (deepspeed_at,) = [i for i, line in enumerate(installs) if line.endswith(" deepspeed")]
+    assert torch_at < deepspeed_at < len(installs) - 1, installs
+    assert "--no-build-isolation" in installs[deepspeed_at]
+    assert "deepspeed" in pyproject_requirements(read("pyproject.toml"), extras=())
+
+
 def test_line_parser_agrees_with_pyyaml():
     yaml = pytest.importorskip("yaml")
     text = read("environment.yml")

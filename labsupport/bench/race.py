@@ -35,11 +35,13 @@ def race(rt, configs: dict, model_name: str, global_batch: int, repeats: int) ->
     for name, config in configs.items():
         torch.manual_seed(0)
         strategy = make_strategy(rt, config)
+        m = config.microbatches or 1
+        strategy.set_step(global_batch // config.dp // m, m, 1.0)
         model = strategy.parallelize(TinyGPT(cfg))
         optimizer = strategy.make_optimizer(model, 1e-3, 0.1)
         step = iter(range(10**9))
 
-        def run(strategy=strategy, model=model, optimizer=optimizer, step=step, m=config.microbatches or 1):
+        def run(strategy=strategy, model=model, optimizer=optimizer, step=step, m=m):
             x, y = sampler.local_batch(next(step), *strategy.data_rank())
             micro_batches = list(zip(x.to(rt.device).chunk(m), y.to(rt.device).chunk(m)))  # a pipeline's m
             train_step(strategy, model, optimizer, micro_batches, 1.0)
@@ -95,6 +97,7 @@ def main(configs) -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--bucket-sweep", default=None)
     p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--against", default="torch")
     args = p.parse_args()
     with init() as rt:
         rows = race(rt, configs(rt.world_size, args), args.model, args.global_batch, args.repeats)

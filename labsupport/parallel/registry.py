@@ -49,6 +49,11 @@ def accelerate_fsdp():
     return AccelerateFSDP
 
 
+def deepspeed_zero():
+    from .deepspeed_engine import DeepSpeedZeRO
+    return DeepSpeedZeRO
+
+
 def accelerate_deepspeed():
     from .accelerate_deepspeed import AccelerateDeepSpeed
     return AccelerateDeepSpeed
@@ -75,6 +80,7 @@ STRATEGIES = {
     "torch-zero1": Entry(torch_zero1, ("dp",), zero=1),
     "torch-fsdp": Entry(torch_fsdp, ("dp",), zero=3),
     "accelerate-fsdp": Entry(accelerate_fsdp, ("dp",), zero=None, default_zero=3),  # it refuses 1
+    "deepspeed": Entry(deepspeed_zero, ("dp",), zero=None, default_zero=1),  # ZeRO-1: the workshop's Frontier runs
     "accelerate-deepspeed": Entry(accelerate_deepspeed, ("dp",), zero=None, default_zero=2),  # it refuses 0
     "tp": preset(("tp",)),
     "torch-tp": Entry(torch_tp, ("tp",)),

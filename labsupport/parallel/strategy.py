@@ -135,5 +135,12 @@ class Strategy:
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
+    def save_state(self, directory) -> None:
+        """Save what a library checkpoints itself (DeepSpeed's engine) into the step's `directory`,
+        before the loop writes its own files there: every rank calls it."""
+
+    def load_state(self, directory) -> None:
+        """Load what `save_state` wrote, after the loop loaded its own files."""
+
     def close(self, model) -> None:
         """Remove the hooks the strategy put on the model (a notebook may train it again)."""
