@@ -83,6 +83,9 @@ def _rank_main(argv: list[str]) -> int:
     code = 0
     try:
         if argv[0] == "-m":
+            if argv[1].startswith("labsupport."):  # it ends with leave_now, before any teardown
+                from . import runtime
+                runtime.LEAVES_WITHOUT_TEARDOWN = True
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:

@@ -224,6 +224,12 @@ def _stay_on_loopback(rank: int, world_size: int, timeout_s: float) -> dist.TCPS
                      datetime.timedelta(seconds=timeout_s))
 
 
+# True in a rank of this package's own entry points (rank.py sets it): they end with os._exit
+# (rank.leave_now), so a group that outlives destroy_process_group() never meets the interpreter's
+# teardown there. DeepSpeed's ZeRO keeps the group on every parameter it partitions.
+LEAVES_WITHOUT_TEARDOWN = False
+
+
 def _destroy_world() -> None:
     """Destroy the process group so that its backend's threads are really gone before exit.
 
@@ -248,7 +254,7 @@ def _destroy_world() -> None:
     dist.destroy_process_group()
     if world() is not None:
         gc.collect()  # a reference cycle (a traceback, a closure) may be what holds it
-    if world() is not None:
+    if world() is not None and not LEAVES_WITHOUT_TEARDOWN:
         warnings.warn("the process group is still referenced after destroy_process_group(), so its "
                       "threads live until exit and may abort it; import modules that take "
                       "group=group.WORLD as a default before labsupport.init()", RuntimeWarning)
