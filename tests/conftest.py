@@ -27,18 +27,16 @@ def pytest_configure(config):
 
 
 def _share_the_cores():
-    """Under pytest-xdist (`make test` runs two workers) each worker keeps to its share of the cores.
-
-    Everything its tests start (ranks, kernels, servers) inherits that affinity, so the launcher gives
-    each rank its share of those cores as threads (runtime.threads_per_rank), not of the whole
-    machine. Without it a 1-rank run used 2 threads on 2 cores beside the other worker's 8 ranks,
-    and its OpenMP threads waited for each other: 8x slower."""
+    """Under pytest-xdist (`make test` runs two workers) each worker's ranks count only its share of
+    the cores (LABSUPPORT_CPUS, inherited by every rank, kernel and server its tests start), so the
+    launcher gives each rank that share as threads (runtime.threads_per_rank). With the whole
+    machine's count, a 1-rank run used 2 threads on 2 cores beside the other worker's 8 ranks, and
+    its OpenMP threads waited for each other: 8x slower. The scheduler still spreads all ranks over
+    all cores (pinning each worker to its own core instead left cores idle while a worker waited)."""
     worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not (worker and workers and hasattr(os, "sched_setaffinity")):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    index, count = int(worker.removeprefix("gw")), int(workers)
-    os.sched_setaffinity(0, cores[index % len(cores)::count] or cores)
+    if worker and workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["LABSUPPORT_CPUS"] = str(max(1, cores // int(workers)))
 
 
 @pytest.fixture(autouse=True)

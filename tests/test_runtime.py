@@ -43,6 +43,17 @@ def test_cpu_gets_gloo_and_threads_are_split(monkeypatch):
     assert runtime.threads_per_rank(4) == 2 and runtime.threads_per_rank(16) == 1
 
 
+def test_labsupport_cpus_is_the_share_of_a_shared_machine(monkeypatch):
+    """On a node shared with work the process cannot see (a JupyterHub, the test suite's other
+    worker), LABSUPPORT_CPUS says how many cores its ranks split; without it, the cores it may use."""
+    monkeypatch.setenv("LABSUPPORT_CPUS", "1")
+    assert runtime._cpu_count() == 1 and runtime.threads_per_rank(1) == 1
+    monkeypatch.setenv("LABSUPPORT_CPUS", "6")
+    assert runtime.threads_per_rank(2) == 3
+    monkeypatch.delenv("LABSUPPORT_CPUS")
+    assert runtime._cpu_count() == len(os.sched_getaffinity(0))
+
+
 def test_a_rank_srun_started_with_its_own_cores_uses_them(monkeypatch):
     """Frontier's launch: srun --ntasks-per-node=8 --cpus-per-task=7 gives each rank 7 cores of 56;
     under torchrun on the same node (one task of 56 cores, 8 ranks) the 56 are split."""
