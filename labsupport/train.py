@@ -36,7 +36,7 @@ from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, 
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import TinyGPT, generate
 from .parallel import DDP_MODES, STRATEGIES, ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel.loss_scale import LossScaler, fp16_problem
+from .parallel.loss_scale import fp16_problem
 from .rundir import make_run_dir
 
 CHECKED_ENV = "LABSUPPORT_TRAIN_CONFIG"  # where run() hands its ranks the checked options, as JSON
@@ -143,6 +143,9 @@ def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
         problems += fp16_problems(args.strategy)
     if args.loss_scale is not None and (args.dtype != "fp16" or not args.loss_scale > 0):
         problems.append("--loss-scale must be > 0 and needs --dtype fp16 (bf16 and fp32 need no loss scaling)")
+    elif args.loss_scale is not None and math.log2(args.loss_scale) % 1:
+        problems.append(f"--loss-scale must be a power of two (got {args.loss_scale:g}): multiplying by one is exact, "
+                        "and DeepSpeed's initial_scale_power is its exponent")
     if problems:
         raise ConfigError(problems)
     vocab = len(vocabulary(load_text(args.data))) if args.data is not None else None  # DataError for a bad file
@@ -303,14 +306,14 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     dp_rank, dp_size = strategy.data_rank()
     micro = config.micro_batch_size(args.global_batch, args.micro_batch)
     strategy.set_step(micro, args.global_batch // (dp_size * micro), args.grad_clip)
+    if args.dtype == "fp16":
+        strategy.loss_scaler = strategy.make_loss_scaler(args.loss_scale)
+    scaler = strategy.loss_scaler
     torch.manual_seed(args.seed)
     model = strategy.parallelize(TinyGPT(cfg))
     optimizer = strategy.make_optimizer(model, args.lr, args.weight_decay)
     sampler = BatchSampler(corpus.train, cfg.seq_len, args.global_batch, seed=args.seed)
     autocast = torch.autocast(rt.device.type, dtype=AUTOCAST[args.dtype]) if AUTOCAST[args.dtype] else None
-    if args.dtype == "fp16":
-        strategy.loss_scaler = LossScaler(rt.device, **({"init_scale": args.loss_scale} if args.loss_scale else {}))
-    scaler = strategy.loss_scaler
 
     run_dir = os.environ.get("LABSUPPORT_RUN_DIR") or str(make_run_dir(args.run_dir, f"train-{args.strategy}"))
     metrics_log = JsonlWriter(os.path.join(run_dir, f"metrics-rank{rt.rank}.jsonl"))

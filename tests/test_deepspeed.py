@@ -1,9 +1,13 @@
 """DeepSpeed's ZeRO (the `deepspeed` strategy) is proven like our ZeRO and torch's: same losses and
 gradient norms as `single` at every step, the memory each stage claims to divide divided, its
 collectives counted (through our door) against the ZeRO paper's traffic, and its own checkpoint
-resumed bit-identically."""
+resumed bit-identically. Under fp16 DeepSpeed's own loss scaling gives the fp32 reference within
+the tolerance test_fp16.py holds ours to, and skips, counts and halves on an overflow as ours."""
+import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,10 +15,12 @@ from conftest import cli
 from harness import assert_same_as_single, assert_traffic_in, resume, single, train
 from labsupport.ds_config import ds_config
 from labsupport.parallel import ParallelConfig
+from test_fp16 import LOSS_RTOL, VAL_TOL
 
 pytestmark = pytest.mark.multiprocess
 
 # Each stage's run on 2 ranks, which the memory, traffic and resume tests below read too
+DS_NORM_RTOL = 5e-2  # fp16: relative, every step's gradient norm (test_deepspeed_fp16_equals_the_fp32_reference)
 TWO_RANKS = {1: ["--zero", "1"], 2: ["--zero", "2", "--micro-batch", "2"], 3: ["--zero", "3"]}
 
 
@@ -76,6 +82,39 @@ def test_deepspeed_checkpoint_resumes_bit_identically(tmp_path):
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
 
 
+@pytest.mark.slow
+def test_deepspeed_fp16_equals_the_fp32_reference():
+    """DeepSpeed's fp16 (fp16 module, fp32 copy of each partition, its own dynamic loss scale) at
+    2^10, where no step of nano overflows: the fp32 reference within our fp16's tolerance for the
+    losses, but not for the norms. The whole module is fp16 (LayerNorm, embeddings, the residual
+    stream; autocast keeps them fp32), so its gradients are noisier: measured on nano, up to 2.4e-2
+    relative (ours: 5.5e-3), against test_fp16's NORM_RTOL of 2e-2; DS_NORM_RTOL is twice that worst.
+    A clip of the scaled gradients, or none unscaled, is 1024 times off, far outside."""
+    out = train("deepspeed", 2, "--zero", "1", "--dtype", "fp16", "--loss-scale", "1024")
+    assert out["skipped_steps"] == [] and out["loss_scales"] == [2.0 ** 10] * out["steps"]
+    assert_same_as_single({**out, "dtype": "fp32"}, single(), loss_tol=None, loss_rtol=LOSS_RTOL,
+                          norm_rtol=DS_NORM_RTOL, val_tol=VAL_TOL)
+
+
+@pytest.mark.slow
+def test_deepspeed_fp16_skips_counts_and_halves_on_an_overflow():
+    """At 2^20 nano's gradients overflow fp16: DeepSpeed skips the step (its norm is inf), halves the
+    scale (GradScaler's rule, hysteresis 1), and the loop reports both, in the summary and in every
+    rank's metrics, as for our own fp16 (ZeRO-2, 2 accumulation steps: the skip is on the last)."""
+    out = train("deepspeed", 2, *TWO_RANKS[2], "--dtype", "fp16", "--loss-scale", str(2.0 ** 20))
+    skipped, scales = out["skipped_steps"], out["loss_scales"]
+    assert len(skipped) >= 2 and skipped[0] == 0, skipped
+    for step in range(out["steps"] - 1):
+        assert scales[step + 1] == scales[step] / (2 if step in skipped else 1), (step, scales)
+    assert [not math.isfinite(n) for n in out["grad_norms"]] == [s in skipped for s in range(out["steps"])]
+    for rank in range(2):
+        records = [json.loads(line) for line in
+                   (Path(out["run_dir"]) / f"metrics-rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["skipped"]] == skipped, rank
+        assert [r["loss_scale"] for r in records] == scales, rank
+    assert out["losses"][-1] < out["losses"][0]
+
+
 def test_only_the_deepspeed_strategy_pays_for_importing_deepspeed():
     """`import deepspeed` takes over a second: the loop, the CLI and the other strategies never import it,
     and ds_config (for `plan --emit deepspeed`) needs neither torch nor DeepSpeed."""
@@ -107,6 +146,7 @@ def test_ds_config_follows_deepspeed_keys_and_our_recipe():
     (["--zero", "0"], "strategy 'deepspeed' without ZeRO is DDP"),
     (["--zero", "2", "--bucket-mb", "1e-9"], "strategy 'deepspeed': DeepSpeed refuses the ds_config"),
     (["--nproc", "1"], "strategy 'deepspeed' shards over data-parallel ranks"),
+    (["--dtype", "fp16", "--loss-scale", "1000"], "--loss-scale must be a power of two"),
 ])
 def test_bad_deepspeed_arguments_fail_before_start(args, message):
     res = cli("train", "--strategy", "deepspeed", *(["--nproc", "2"] if "--nproc" not in args else []), *args)

@@ -17,6 +17,17 @@ known only once the step is taken: `forward_backward` runs DeepSpeed's loop whol
 loop asks of `clip_grad_norm_` is the engine's (before clipping), and the optimizer the loop
 holds only lends its parameter groups (the loop sets the learning rate there) and its state.
 
+Under `--dtype fp16` DeepSpeed scales the loss itself (the ds_config's fp16 section): the engine
+holds the module in fp16 and, under ZeRO-1/2, an fp32 copy of this rank's partition that AdamW
+updates; `backward` multiplies the loss by its scale S, and `step` unscales, agrees on an overflow
+over the ranks, skips the update and halves S, or steps. So no LossScaler of ours here (the loop's
+autocast changes nothing on an fp16 module: measured, the same numbers with and without it):
+`EngineLossScale` only reports the engine's S and skip to the loop's metrics. Its rule is set
+to GradScaler's (`make_loss_scaler`): halve on every overflow (hysteresis 1, not DeepSpeed's 2),
+double after 2000 clean steps, start at `--loss-scale` (2^16 by default). Losses are computed from
+fp32 logits, as autocast computes them: in fp16, S times the loss overflows at once (4.2 x 2^14 >
+65,504), and a validation loss would be rounded to fp16 (2^-9 apart near 3).
+
 DeepSpeed's collectives go through `deepspeed.comm` to torch.distributed, not through
 labsupport.comm: its torch backend's methods are wrapped to count each call with labsupport.comm
 first (`count_deepspeed_calls`), so a run reports its traffic as ours do. A checkpoint is DeepSpeed's own (`save_checkpoint` into the step's directory,
@@ -27,6 +38,7 @@ weights); the loop's file beside it holds the whole model, so it loads into `sin
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from contextlib import nullcontext
@@ -97,6 +109,7 @@ def count_deepspeed_calls(world) -> None:
 
 class DeepSpeedZeRO(Strategy):
     name = "deepspeed"
+    fp16 = True  # DeepSpeed's own loss scaling (make_loss_scaler)
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
@@ -133,6 +146,14 @@ class DeepSpeedZeRO(Strategy):
     def set_step(self, micro_batch: int, accumulation: int, grad_clip: float) -> None:
         self.ds_config = self.make_ds_config(self.config, micro_batch, accumulation, grad_clip)
 
+    def make_loss_scaler(self, init_scale):
+        """fp16: the ds_config's fp16 section with GradScaler's rule (module docstring); what the loop
+        reads of the scale is the engine's."""
+        self.ds_config["fp16"] = ds_config(1, 1, 1, self.config.zero, dtype="fp16")["fp16"]
+        self.ds_config["fp16"].update(initial_scale_power=int(math.log2(init_scale or 2 ** 16)),
+                                      hysteresis=1, loss_scale_window=2000)
+        return EngineLossScale(self)
+
     def make_optimizer(self, model, lr, weight_decay):
         """The engine around `model` and the loop's AdamW; the module the loop holds stays `model`
         (ZeRO-3 partitions its parameters in place), and every hook below runs it through the engine."""
@@ -149,7 +170,7 @@ class DeepSpeedZeRO(Strategy):
         losses = []
         for x, y in batches:
             with comm.phase("forward"), autocast or nullcontext():
-                loss = self.loss_fn(self.engine(x), y)
+                loss = self.loss_fn(self.engine(x).float(), y)  # fp16: see the module's docstring
             with comm.phase("backward"):
                 self.engine.backward(loss)  # divided by the accumulation steps in there
             with comm.phase("optimizer"):
@@ -163,7 +184,7 @@ class DeepSpeedZeRO(Strategy):
 
     @torch.no_grad()
     def evaluate_loss(self, model, x, y):
-        return self.loss_fn(self.engine(x), y)
+        return self.loss_fn(self.engine(x).float(), y)
 
     @torch.no_grad()
     def logits(self, model, idx):
@@ -222,3 +243,34 @@ class LentOptimizer:
 
     def step(self):
         """Nothing: the engine stepped after the last micro-batch."""
+
+
+class EngineLossScale:
+    """What the loop reads of DeepSpeed's loss scaling under fp16 (train.train_step, the metrics):
+    the scale of this step's backward and whether the engine skipped the step. The engine unscales,
+    steps and updates the scale itself, and its checkpoint holds the scale: the loop's calls do nothing."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy  # its engine is made after this
+
+    def get_scale(self) -> float:
+        return float(self.strategy.engine.optimizer.loss_scale)
+
+    @property
+    def skipped(self) -> bool:
+        return not self.strategy.engine.was_step_applied()
+
+    def unscale_(self, optimizer):
+        """Nothing: done in the engine's step."""
+
+    def step(self, optimizer):
+        """Nothing: done in the engine's step."""
+
+    def update(self):
+        """Nothing: done in the engine's step."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        """Nothing: in DeepSpeed's own checkpoint."""

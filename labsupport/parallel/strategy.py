@@ -23,14 +23,15 @@ import torch
 from .. import comm
 from ..model import lm_loss
 from .clip import clip_grad_norm_
+from .loss_scale import LossScaler
 from .mesh import Mesh
 from .optim import adamw
 
 
 class Strategy:
     name = "single"
-    fp16 = False        # whether every backward it runs starts from `scale_loss` (--dtype fp16 needs it)
-    loss_scaler = None  # under fp16, the loop's LossScaler (loss_scale.py)
+    fp16 = False        # whether every backward it runs starts from a scaled loss (--dtype fp16 needs it)
+    loss_scaler = None  # under fp16, what `make_loss_scaler` made
 
     @classmethod
     def problems(cls, config, model=None, microbatches: int | None = None) -> list[str]:
@@ -48,6 +49,12 @@ class Strategy:
         """What a step will be, told before the model is placed: sequences per micro-batch,
         micro-batches per step, the clipping norm. A library that runs the step itself (DeepSpeed)
         is configured with them; the loop gives them to the others step by step."""
+
+    def make_loss_scaler(self, init_scale: float | None):
+        """Under fp16, told before the model is placed: the loop's LossScaler (loss_scale.py), starting
+        at `init_scale` (None: GradScaler's 2^16). A library that scales the loss itself (DeepSpeed)
+        answers with what the loop may read of its own scaler."""
+        return LossScaler(self.rt.device, **({"init_scale": init_scale} if init_scale else {}))
 
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Put the model on this rank's device and split it as the strategy says."""
