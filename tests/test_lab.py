@@ -570,6 +570,9 @@ def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(
         assert [c.get("outputs") for c in copy.cells if c.get("outputs")] == [], path.name
     config = (work / ".ipython" / "profile_default" / "ipython_kernel_config.py").read_text()
     assert "load_ipython_extension(get_ipython())" in config
+    # laid out as the repo: notebook 03 reads ../configs/accelerate from its own folder
+    assert [os.readlink(work / name) for name in ("README.md", "ARCHITECTURE.md", "configs")] == [
+        "../README.md", "../ARCHITECTURE.md", "../configs"]
     (work / "notebooks" / shipped[1].name).unlink()  # deleted to start it over; an instructor keeps the outputs
     subprocess.run([*make, "OUTPUTS=keep"], check=True, capture_output=True)
     assert (work / "notebooks" / shipped[1].name).read_bytes() == shipped[1].read_bytes()
