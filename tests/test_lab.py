@@ -137,7 +137,8 @@ def test_unknown_exercise_is_named():
 
 @pytest.mark.parametrize("guess, measured, verdict", [
     (None, 3.0, "No prediction entered. Measured: 3."), (3.1, 3.0, "You predicted 3.1; measured 3: right."),
-    (6.0, 3.0, "You predicted 6; measured 3: off by a factor 2."), ("b", "b", "the answer is 'b': right."),
+    (6.0, 3.0, "You predicted 6; measured 3: off by a factor 2."), (0, 3, "You predicted 0; measured 3: off by 3."),
+    ("b", "b", "the answer is 'b': right."),
     ("a", "b", "the answer is 'b': not quite."), (1_500_000, 1_572_864, "measured 1,572,864: right.")])
 def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
     predict.reveal(guess, measured, why="reduce_scatter")
