@@ -551,6 +551,7 @@ def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys
 def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(tmp_path):
     """A prediction's answer or a solved bug lab must not sit under the cell before it runs; a notebook
     the attendee has already worked in stays as it is; every kernel knows the magics."""
+    import os
     import subprocess
     import sys
 
