@@ -116,8 +116,9 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # JupyterLab saves outputs into the notebooks it runs, so it serves a copy, $(WORK)/, and the
 # tracked notebooks/ stay as they are (`git pull` never conflicts). The copy is made on first use
 # and never overwritten: only a notebook it lacks (new upstream, or deleted to start it over) is
-# copied in, without its outputs unless OUTPUTS=keep. README.md and ARCHITECTURE.md are links to
-# the real ones, laid out as in the repo, so the README's links open the copies.
+# copied in, without its outputs unless OUTPUTS=keep. README.md, ARCHITECTURE.md and configs/ are links
+# to the real ones, laid out as in the repo, so the README's links open them and notebook 03 finds
+# ../configs/accelerate as it does in notebooks/.
 # Every kernel JupyterLab starts loads labsupport's magics (%%exercise, %ranks, %%torchrun), so an
 # exercise cell works after a kernel restart without running the notebook's first cell again:
 # IPython reads its configuration from $(LAB_IPYTHON), written here each time.
@@ -129,7 +130,7 @@ lab: $(LAB_STAMP)
 # The copy and the kernels' configuration, without starting JupyterLab (`make lab` does this first).
 lab-copy:
 	@mkdir -p $(WORK)/notebooks $(LAB_IPYTHON)/profile_default
-	@for f in README.md ARCHITECTURE.md; do \
+	@for f in README.md ARCHITECTURE.md configs; do \
 		[ -e "$(WORK)/$$f" ] || [ -L "$(WORK)/$$f" ] || ln -s "../$$f" "$(WORK)/$$f"; \
 	done
 	@missing="$$(for nb in $(NOTEBOOKS); do [ -e "$(WORK)/$$nb" ] || echo "$$nb"; done)"; \

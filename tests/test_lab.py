@@ -137,7 +137,8 @@ def test_unknown_exercise_is_named():
 
 @pytest.mark.parametrize("guess, measured, verdict", [
     (None, 3.0, "No prediction entered. Measured: 3."), (3.1, 3.0, "You predicted 3.1; measured 3: right."),
-    (6.0, 3.0, "You predicted 6; measured 3: off by a factor 2."), ("b", "b", "the answer is 'b': right."),
+    (6.0, 3.0, "You predicted 6; measured 3: off by a factor 2."), (0, 3, "You predicted 0; measured 3: off by 3."),
+    ("b", "b", "the answer is 'b': right."),
     ("a", "b", "the answer is 'b': not quite."), (1_500_000, 1_572_864, "measured 1,572,864: right.")])
 def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
     predict.reveal(guess, measured, why="reduce_scatter")
@@ -550,6 +551,7 @@ def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys
 def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(tmp_path):
     """A prediction's answer or a solved bug lab must not sit under the cell before it runs; a notebook
     the attendee has already worked in stays as it is; every kernel knows the magics."""
+    import os
     import subprocess
     import sys
 
@@ -570,6 +572,9 @@ def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(
         assert [c.get("outputs") for c in copy.cells if c.get("outputs")] == [], path.name
     config = (work / ".ipython" / "profile_default" / "ipython_kernel_config.py").read_text()
     assert "load_ipython_extension(get_ipython())" in config
+    # laid out as the repo: notebook 03 reads ../configs/accelerate from its own folder
+    assert [os.readlink(work / name) for name in ("README.md", "ARCHITECTURE.md", "configs")] == [
+        "../README.md", "../ARCHITECTURE.md", "../configs"]
     (work / "notebooks" / shipped[1].name).unlink()  # deleted to start it over; an instructor keeps the outputs
     subprocess.run([*make, "OUTPUTS=keep"], check=True, capture_output=True)
     assert (work / "notebooks" / shipped[1].name).read_bytes() == shipped[1].read_bytes()

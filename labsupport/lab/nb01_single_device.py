@@ -236,7 +236,9 @@ WHY = {
                      "included, + a 4-byte `step` per tensor ({n_tensors} tensors): {optimizer_bytes:,} bytes."),
     "fp16_skipped": ("The first backward at S = {first_scale:,.0f} overflowed fp16 ({largest:,} is its largest number): "
                      "the step was skipped and S halved, {skipped} times, until S = {good_scale:,.0f} let the "
-                     "gradients through. Each skip costs a whole step of compute and teaches the model nothing; "
+                     "gradients through: S halves only until the scaled gradients fit, so the count depends on how large "
+                     "the gradients are, not on how far S lies above the default. Each skip costs a whole step of "
+                     "compute and teaches the model nothing; "
                      "from GradScaler's default 65,536 a run usually skips none or a few."),
     "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
                     "micro's matmuls are large enough for a CPU to come close to it. On a GPU this tiny model would "

@@ -4,8 +4,9 @@
     ... the cell that measures ...
     reveal(guess_ring_bytes, measured, unit="bytes", why="ring_bytes")
 
-A guess is a number (compared by ratio) or a choice (compared for equality). With no guess,
-the question still gets its answer, so the notebook runs top to bottom as shipped.
+A guess is a number (compared by ratio, or by difference where one side is 0) or a choice
+(compared for equality). With no guess, the question still gets its answer, so the notebook runs
+top to bottom as shipped.
 
 `why` names the explanation printed after the answer, keyed by the prediction's name (guess_NAME ->
 "NAME"). The texts live in the notebook's lab module (nb05_pipeline_parallel.WHY, ...), not in
@@ -74,7 +75,8 @@ def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.
         ratio = guess / measured if measured else float("inf") if guess else 1.0
         line = f"You predicted {_number(guess)}; {label.lower()} {shown}: " + (
             "right." if abs(ratio - 1) <= tolerance else
-            f"off by a factor {max(ratio, 1 / ratio) if ratio else float('inf'):.3g}.")
+            f"off by {_number(abs(guess - measured))}." if 0 in (guess, measured) else  # no factor from 0
+            f"off by a factor {max(ratio, 1 / ratio):.3g}.")
     else:
         line = f"You predicted {guess!r}; the answer is {shown}: " + ("right." if guess == measured else "not quite.")
     print(line + (f" {because}" if because else ""))
