@@ -186,6 +186,7 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 # only once the work is freed, here or by its thread, while Python still runs.
 
 _FREE_WAIT_S = 2.0  # the worker thread lets go microseconds after the data arrives; beyond this, stop waiting
+_SETTLED_S = 0.05  # a count that stays put this long, below the one we dropped our handle at, is settled
 _use_count = getattr(torch.Tensor, "_use_count", None)  # references to a tensor held in C++, works included
 _waits_for_free = _use_count is not None
 
@@ -204,7 +205,10 @@ def _until_freed(tensor, before: int, held: int) -> None:
     handle was dropped. The work lets go of them one member at a time, the thread-local state
     (the part that takes the GIL) between the first and the last, so only a count back at
     `before` says it is done. If the caller took references of its own since the launch, the
-    count settles above that: a count below `held` that stays put for a millisecond says it too.
+    count settles above that: a count below `held` that stays put for `_SETTLED_S` says it too.
+    That wait must outlast the worker thread being descheduled between two members (a loaded
+    machine, CI's two workers on two cores, did it for over a millisecond); it costs nothing
+    otherwise, as the count reaches `before` first.
 
     Each poll releases the GIL, which the worker thread may need; after half a millisecond the
     polls sleep in between, so that it takes the GIL at once rather than after the interpreter's
@@ -217,7 +221,7 @@ def _until_freed(tensor, before: int, held: int) -> None:
         now_ = time.monotonic()
         if count != last:
             last, last_change = count, now_
-        elif count < held and now_ - last_change > 1e-3:
+        elif count < held and now_ - last_change > _SETTLED_S:
             return
         if now_ - start > _FREE_WAIT_S:  # the worker thread never let go: do not wait again
             _waits_for_free = False

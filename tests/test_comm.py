@@ -1,5 +1,6 @@
 """comm.py: every wrapper gives torch's result and counts calls, payload and wire bytes as DESIGN.md 4 says."""
 import textwrap
+import time
 
 import pytest
 
@@ -105,3 +106,21 @@ def test_unsupported_reduction_is_a_clear_error():
 def test_wire_factors_are_the_nccl_tests_bus_factors():
     assert comm.WIRE_FACTOR["all_reduce"](4) == 1.5 and comm.WIRE_FACTOR["all_gather"](4) == 0.75
     assert comm.WIRE_FACTOR["broadcast"](4) == 1.0
+
+
+def test_waiting_for_a_work_to_be_freed_outlasts_a_descheduled_worker_thread(monkeypatch):
+    """The worker thread drops its references one at a time; descheduled in between (a loaded
+    machine), the count stalls part way. `_until_freed` must wait for it rather than call it settled."""
+    start = time.monotonic()
+    # held 4, the thread drops two at once, stalls 20 ms (a slice of a busy core), then the rest
+    monkeypatch.setattr(comm, "_use_count", lambda t: 2 if time.monotonic() - start < 0.02 else 1)
+    comm._until_freed(object(), before=1, held=4)
+    assert time.monotonic() - start >= 0.02, "returned while the worker thread still held the tensor"
+
+
+def test_a_count_the_caller_holds_above_the_start_settles(monkeypatch):
+    """References the caller took itself never go away: the wait ends once the count stays put."""
+    monkeypatch.setattr(comm, "_use_count", lambda t: 2)
+    start = time.monotonic()
+    comm._until_freed(object(), before=1, held=4)
+    assert time.monotonic() - start < 1.0 and comm._waits_for_free
