@@ -451,6 +451,22 @@ def test_without_a_pool_a_check_runs_through_a_launch(capsys):
     assert "(checking on 2 fresh ranks, a few seconds: no pool is running" in out, out
 
 
+def test_a_fresh_launch_gets_time_to_start_on_top_of_the_checks_limit(monkeypatch):
+    """A hang check's limit is for the ranks' work; fresh ranks also need seconds to import torch and meet."""
+    from labsupport.lab import on_ranks
+    from labsupport.pool import ranks
+    ranks.stop()
+    asked = {}
+
+    def launch(script, nproc, timeout, **kwargs):
+        asked["timeout"] = timeout
+        raise on_ranks.LaunchError("stopped here")
+    monkeypatch.setattr(on_ranks, "launch", launch)
+    with pytest.raises(on_ranks.RanksFailed):
+        on_ranks.run("x = 1", "labsupport.lab.nb00_collectives", "check_mean_loss(x)", 2, timeout=10)
+    assert asked["timeout"] == 10 + on_ranks.STARTUP_S >= 25
+
+
 # ---------------------------------------------------------------- notebook 06 (graded by the planner, no ranks)
 
 LAYOUT_WRONG = [
