@@ -12,8 +12,9 @@ The layer (`MoE`), as Switch Transformer (Fedus et al. 2021) and Mixtral (Jiang 
 * capacity: an expert takes at most C = ceil(capacity_factor x top_k x T / n_experts) of the top_k x T
   assignments of T tokens (Switch's expert capacity, Sec. 2.2, times top_k as in GShard's top-2
   capacity 2T/E); the rest are dropped: they add nothing, the token goes on through the residual.
-  An expert's queue is ordered as GShard's Algorithm 1 orders it: every token's first choice
-  before any token's second, and within a choice by the token's position in the batch. The
+  An expert's queue is filled as GShard's top-2 gating (Algorithm 1) fills it, without its random
+  second choice: every token's first choice before any token's second, and within a choice by
+  the token's position in the batch. The
   position is global (rank r's tokens come after rank r-1's), so the same assignments are
   dropped whatever the EP degree. `capacity_factor=None`: no capacity, nothing dropped (Mixtral).
 * the load-balancing loss, Switch eq. 4 without its alpha (the trainer's, 1e-2 in Switch):
@@ -42,8 +43,8 @@ Training with each rank's loss a mean over its tokens and the replicated gradien
 the ranks (data parallelism): `aux_loss` on a rank uses the global f and its local P, so its mean
 over the ranks is the one-rank loss (global-batch balancing: Qiu et al. 2025 synchronise f the
 same way), and the gradient an expert gets on its rank is the sum of every rank's
-contributions: divide it by ep where the replicated ones are averaged (Megatron-LM scales its
-expert gradients the same way).
+contributions: divide it by ep where the replicated ones are averaged (Megatron-LM's DDP scales
+its expert gradients by 1/dp, not by 1/expert-dp, for this reason).
 All communication goes through `comm`.
 """
 from __future__ import annotations
@@ -118,7 +119,8 @@ class MoE(nn.Module):
                  *, bias: bool = True, renormalize: bool = True):
         super().__init__()
         _check(n_experts, top_k, capacity_factor)
-        self.n_experts, self.top_k, self.capacity_factor, self.renormalize = n_experts, top_k, capacity_factor, renormalize
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.renormalize = renormalize
         self.router = nn.Linear(hidden, n_experts, bias=False)  # Switch and Mixtral: no bias
         self.experts = nn.ModuleDict({str(e): Expert(hidden, ffn, bias) for e in range(n_experts)})
         for m in self.modules():  # TinyGPT's init; built inside it, its proj weights are rescaled as the MLP's
@@ -179,14 +181,14 @@ class MoE(nn.Module):
         # combine: back in the order sent, gated, added to each assignment's token
         if self.group is not None:
             out = _AllToAll.apply(out, recv, send, self.group)
-        y = torch.zeros_like(tokens).index_add(0, token, out * gate.flatten()[order].unsqueeze(1))
-        return y.view_as(x)
+        gated = out * gate.flatten()[order].unsqueeze(1)
+        return gated.new_zeros(tokens.shape).index_add(0, token, gated).view(x.shape)
 
     def _run_experts(self, rows, expert_of_row, sizes):
         """Each local expert on its rows (`sizes[i]` of them for the i-th); outputs in the rows' order."""
         by_expert = expert_of_row.argsort(stable=True)
-        outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), rows[by_expert].split(sizes))]
-        return torch.zeros_like(rows).index_copy(0, by_expert, torch.cat(outs))
+        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), rows[by_expert].split(sizes))])
+        return torch.zeros_like(out).index_copy(0, by_expert, out)
 
     def _all_gather(self, counts):
         if self.group is None:
