@@ -3,7 +3,7 @@
 Parameters: a MoE layer holds n_experts MLPs and a router, but each token runs only top_k of
 them: the model's total parameters grow with the experts, its active ones (the FLOPs per token)
 with top_k (Fedus et al. 2021, "Switch Transformers", Sec. 2; Jiang et al. 2024, "Mixtral of
-Experts", Sec. 2: 47B parameters, 13B active).
+Experts": 47B parameters, 13B active; 46.7B and 12.9B in Mistral AI's release).
 
 Traffic (labsupport.parallel.experts): GShard (Lepikhin et al. 2021, Sec. 3.2) runs a MoE layer
 over ep ranks with two all-to-alls in forward, dispatch (each token's row to the ranks of its
@@ -28,7 +28,7 @@ COUNT_BYTES = 8  # the routing counts are int64
 
 def expert_params(hidden: int, ffn: int, *, gated: bool = False, bias: bool = True) -> int:
     """One expert's parameters. TinyGPT's expert is its MLP, hidden x ffn in and ffn x hidden out
-    (biases ffn + hidden); Mixtral's is a SwiGLU (Jiang et al. 2024, eq. 2; Shazeer 2020), three
+    (biases ffn + hidden); Mixtral's is a SwiGLU (Jiang et al. 2024, Sec. 2.1; Shazeer 2020), three
     bias-free matrices: two in (the gate and the value), one out."""
     inputs = 2 if gated else 1
     return (inputs + 1) * hidden * ffn + ((inputs * ffn + hidden) if bias else 0)
