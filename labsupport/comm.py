@@ -413,6 +413,15 @@ def all_to_all(output_list, input_list, group=None, async_op=False):
                  watch=input_list[0] if input_list else None)
 
 
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """Rows of `input` in blocks of `input_split_sizes`, block i to rank i; `output` gets rank i's
+    block for this rank in its `output_split_sizes[i]` rows (None: equal blocks). Counted as
+    "all_to_all", its payload the input this rank sends, its own block included."""
+    return _call("all_to_all", _nbytes(input), group,
+                 lambda a: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                                  async_op=a), async_op, watch=input)
+
+
 def barrier(group=None):
     return _call("barrier", 0, group, lambda a: dist.barrier(group=group))
 

@@ -1,0 +1,62 @@
+"""What a mixture-of-experts layer holds and what expert parallelism sends, from the layer's shape.
+
+Parameters: a MoE layer holds n_experts MLPs and a router, but each token runs only top_k of
+them: the model's total parameters grow with the experts, its active ones (the FLOPs per token)
+with top_k (Fedus et al. 2021, "Switch Transformers", Sec. 2; Jiang et al. 2024, "Mixtral of
+Experts": 47B parameters, 13B active; 46.7B and 12.9B in Mistral AI's release).
+
+Traffic (labsupport.parallel.experts): GShard (Lepikhin et al. 2021, Sec. 3.2) runs a MoE layer
+over ep ranks with two all-to-alls in forward, dispatch (each token's row to the ranks of its
+experts) and combine (the experts' outputs back), and their two mirror images in backward. A
+row travels once per kept assignment, top_k per token less the dropped ones, in each of the
+four. Ours also all-gathers each rank's assignment counts per (choice, expert) in forward,
+top_k x n_experts int64 per rank, from which every rank knows what to send, receive and drop
+(Megatron-LM's all-to-all dispatcher exchanges its counts per expert the same way).
+
+Sizes are summed over the ep ranks, in the units labsupport.comm counts: `payload_bytes` is what
+a rank's calls send (an all-to-all's whole input, its own block included; an all-gather's
+gathered buffer), `wire_bytes` that times nccl-tests' bus factor. How the all-to-all payload
+splits between the ranks depends on the routing (what a rank's tokens send plus what its
+experts return); balanced, each rank sends 1/ep of it.
+"""
+from __future__ import annotations
+
+from .comm_cost import BUS_FACTOR
+
+COUNT_BYTES = 8  # the routing counts are int64
+
+
+def expert_params(hidden: int, ffn: int, *, gated: bool = False, bias: bool = True) -> int:
+    """One expert's parameters. TinyGPT's expert is its MLP, hidden x ffn in and ffn x hidden out
+    (biases ffn + hidden); Mixtral's is a SwiGLU (Jiang et al. 2024, Sec. 2.1; Shazeer 2020), three
+    bias-free matrices: two in (the gate and the value), one out."""
+    inputs = 2 if gated else 1
+    return (inputs + 1) * hidden * ffn + ((inputs * ffn + hidden) if bias else 0)
+
+
+def moe_layer_params(hidden: int, ffn: int, n_experts: int, top_k: int, *, gated: bool = False,
+                     bias: bool = True) -> dict:
+    """{"total", "active", "router"}: the parameters of one MoE layer (the bias-free router, hidden x
+    n_experts, and the experts) and those one token uses, the router and top_k experts (Fedus et al.
+    2021, Sec. 2.1; Jiang et al. 2024, Sec. 2)."""
+    router = hidden * n_experts
+    one = expert_params(hidden, ffn, gated=gated, bias=bias)
+    return {"total": router + n_experts * one, "active": router + top_k * one, "router": router}
+
+
+def moe_comm(tokens: int, hidden: int, top_k: int, n_experts: int, ep: int, *, dropped: int = 0,
+             bytes_per_element: int = 4) -> dict:
+    """{"forward": {op: {"calls", "payload_bytes", "wire_bytes"}}, "backward": ...}: one MoE layer's
+    communication for `tokens` tokens (all ep ranks' together), summed over the ep ranks; `dropped`
+    assignments travel nowhere. GShard, Sec. 3.2: dispatch and combine in forward, their gradients
+    in backward, each moving every kept assignment's row of `hidden` elements once."""
+    if ep == 1:
+        return {"forward": {}, "backward": {}}
+    rows = (tokens * top_k - dropped) * hidden * bytes_per_element
+
+    def op(name, calls, payload):
+        return {name: {"calls": calls, "payload_bytes": payload, "wire_bytes": round(BUS_FACTOR[name](ep) * payload)}}
+
+    all_to_all = op("all_to_all", 2 * ep, 2 * rows)
+    counts = op("all_gather", ep, ep * ep * top_k * n_experts * COUNT_BYTES)  # each rank gathers every rank's
+    return {"forward": {**all_to_all, **counts}, "backward": all_to_all}
