@@ -40,6 +40,11 @@ RANK_SCRIPT = textwrap.dedent("""
         check("gather", r != 0 or all(torch.equal(g, torch.arange(6.) + k) for k, g in enumerate(gl)))
         outs = [torch.empty(1) for _ in range(n)]; comm.all_to_all(outs, [torch.tensor([10. * r + k]) for k in range(n)])
         check("all_to_all", all(o.item() == 10 * k + r for k, o in enumerate(outs)))
+        # uneven blocks, as an expert-parallel dispatch sends: k + 1 rows to rank k, each row 10 r + k
+        rows = torch.cat([torch.full((k + 1, 2), 10. * r + k) for k in range(n)])
+        got = torch.empty((r + 1) * n, 2)
+        comm.all_to_all_single(got, rows, [r + 1] * n, [k + 1 for k in range(n)])
+        check("all_to_all_single", torch.equal(got, torch.cat([torch.full((r + 1, 2), 10. * k + r) for k in range(n)])))
         buf = torch.empty(6)
         if r == 0:
             comm.send(x, 1)
@@ -68,6 +73,8 @@ def test_every_wrapper_matches_torch_and_is_counted(tmp_path):
     assert c0["reduce_scatter"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 16}
     assert c0["broadcast"]["wire_bytes"] == 24 and c0["send"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 24}
     assert c1["recv"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 0} and "send" not in c1
+    # all_to_all: 3 one-element blocks (12 bytes), then all_to_all_single's 1 + 2 + 3 rows of 8 bytes
+    assert c0["all_to_all"]["calls"] == 2 and c0["all_to_all"]["payload_bytes"] == 12 + 48
 
 
 ASYNC_AVG_SCRIPT = textwrap.dedent("""
