@@ -2,8 +2,9 @@
 on one process, and the estimate (labsupport/estimate/context.py) held to what the ranks measure.
 
 One launch per rank count (2 and 4) runs RANKS, which checks everything for that count and reports:
-- ring attention on this rank's share of q, k, v, balanced and plain split: the output and dq, dk,
-  dv equal dense scaled_dot_product_attention's on the whole sequence (1e-5 relative);
+- ring attention on this rank's share of q, k, v, balanced and plain split, each block by the fused
+  kernel and by the plain math: the output and dq, dk, dv equal dense scaled_dot_product_attention's
+  on the whole sequence (1e-5 relative);
 - the library object on TinyGPT's CausalSelfAttention: the output, the gradient of the input of the
   qkv projection and of the projection's input, and the weight gradients summed over the group;
   then removed, the module is dense again;
@@ -20,6 +21,7 @@ from labsupport.estimate.context import (activation_bytes, attention_memory, min
 from labsupport.estimate.memory import activation_bytes_per_layer
 
 B, HEADS, HEAD_DIM, SEQ = 2, 2, 4, 16  # 2 cp = 8 chunks of 2 positions on 4 ranks
+SPLITS = [f"{split} {kernel}" for split in ("balanced", "plain") for kernel in ("flash", "math")]
 
 RANKS = textwrap.dedent(f'''
     import weakref
@@ -58,14 +60,14 @@ RANKS = textwrap.dedent(f'''
         dense = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = F.scaled_dot_product_attention(*dense, is_causal=True)
         ref.backward(grad)
-        for balanced in (True, False):
-            split = "balanced" if balanced else "plain"
+        for balanced, kernel in [(True, "flash"), (False, "flash"), (True, "math"), (False, "math")]:
+            split = ("balanced " if balanced else "plain ") + kernel
             mine = [shard_sequence(t, rank, cp, balanced, dim=2).requires_grad_() for t in (q, k, v)]
             counts = {{"forward": 0, "backward": 0}}
             received = comm.batch_isend_irecv = Received()
             comm.reset()
             with ActivationMeter().measure() as meter:
-                o = ring_attention(*mine, group=group, balanced=balanced, counts=counts)
+                o = ring_attention(*mine, group=group, balanced=balanced, kernel=kernel, counts=counts)
             out[split + " received peak"] = received.peak
             o.backward(shard_sequence(grad, rank, cp, balanced, dim=2))
             comm.batch_isend_irecv = received.inner
@@ -92,7 +94,8 @@ RANKS = textwrap.dedent(f'''
         x_mine = shard_sequence(x.detach(), rank, cp).requires_grad_()
         y = attention(x_mine)
         y.backward(shard_sequence(grad.transpose(1, 2).reshape(B, SEQ, -1), rank, cp))
-        errors = {{"out": rel(y, shard_sequence(y_ref, rank, cp)), "d input": rel(x_mine.grad, shard_sequence(x.grad, rank, cp)),
+        errors = {{"out": rel(y, shard_sequence(y_ref, rank, cp)),
+                  "d input": rel(x_mine.grad, shard_sequence(x.grad, rank, cp)),
                   "d proj input": rel(proj_input["t"].grad, dense_proj_input)}}
         for n, p in attention.named_parameters():  # each rank's weight gradient is its positions' part
             comm.all_reduce(p.grad, group=group)
@@ -120,7 +123,7 @@ def ranks(request, tmp_path_factory):
 def test_ring_attention_equals_dense_causal_attention_outputs_and_gradients(ranks):
     cp, reports = ranks
     for rank, r in enumerate(reports):
-        for split in ("balanced", "plain"):
+        for split in SPLITS:
             for name, err in r[f"{split} errors"].items():
                 assert err <= 1e-5, f"cp {cp} rank {rank} {split}: {name} differs by {err:.2e} (relative)"
 
@@ -133,7 +136,7 @@ def test_the_library_object_on_the_models_attention_equals_it_dense_and_comes_of
                                            "d proj.weight", "d proj.bias"}
         for name, err in r["module errors"].items():
             assert err <= 1e-5, f"cp {cp} rank {rank}: {name} differs by {err:.2e} (relative)"
-        assert r["module scores"]["forward"] == r["balanced scores"]["forward"] > 0
+        assert r["module scores"]["forward"] == r["balanced flash scores"]["forward"] > 0
         assert r["removed is dense"] == 0.0
 
 
@@ -142,11 +145,13 @@ def test_the_balanced_split_evens_out_the_causal_work_the_plain_split_leaves_une
     cp, reports = ranks
     c = SEQ // cp
     # plain: rank r computes its own block (masked) and the r earlier ranks' blocks whole
-    plain = [r["plain scores"] for r in reports]
+    assert all(r[f"{split} {kernel} scores"] == r[f"{split} flash scores"] for r in reports
+               for split in ("plain", "balanced") for kernel in ("math", "flash"))
+    plain = [r["plain flash scores"] for r in reports]
     assert plain == [{"forward": (rank + 1) * c * c, "backward": (rank + 1) * c * c} for rank in range(cp)]
     # balanced: 2 cp chunks; every rank computes 2 cp + 1 of the chunk pairs the mask does not hide entirely
     half = SEQ // (2 * cp)
-    balanced = [r["balanced scores"] for r in reports]
+    balanced = [r["balanced flash scores"] for r in reports]
     assert balanced == [{"forward": (2 * cp + 1) * half * half, "backward": (2 * cp + 1) * half * half}] * cp
     assert max(p["forward"] for p in plain) / min(p["forward"] for p in plain) == cp
     assert sum(p["forward"] for p in balanced) < sum(p["forward"] for p in plain), "hidden chunk pairs are skipped"
@@ -159,7 +164,7 @@ def test_counters_saved_bytes_and_buffers_in_flight_are_the_estimates(ranks):
     sends = {k: traffic["forward"][k] + traffic["backward"][k] for k in ("calls", "payload_bytes")}
     memory = attention_memory(SEQ, B, HEADS * HEAD_DIM, HEADS, cp, dtype_bytes=4)
     for rank, r in enumerate(reports):
-        for split in ("balanced", "plain"):
+        for split in SPLITS:
             counted = r[f"{split} comm"]
             assert set(counted) == {"send", "recv"}, counted
             for op in ("send", "recv"):

@@ -72,15 +72,52 @@ def _chunks(pos: torch.Tensor, balanced: bool) -> list[tuple[slice, torch.Tensor
     return [(slice(i * c, (i + 1) * c), pos[i * c:(i + 1) * c]) for i in range(n)]
 
 
-def _visible_blocks(q_pos, k_pos, balanced):
-    """The (query rows, key rows, mask) pairs of chunks that share at least one visible score:
-    a chunk of keys that starts after a chunk of queries ends is hidden by the mask, and skipped."""
-    return [(qr, kr, qp[:, None] >= kp[None, :])
+def _visible_blocks(q_pos, k_pos, balanced) -> list[tuple[slice, slice, bool]]:
+    """The pairs of chunks (query rows, key rows, causal) the mask does not hide entirely.
+
+    Chunks are cut on one grid, so a chunk of keys is all before a chunk of queries (every score
+    visible), the same chunk (causal inside it), or all after it (hidden: skipped)."""
+    return [(qr, kr, bool(kp[0] == qp[0]))
             for qr, qp in _chunks(q_pos, balanced) for kr, kp in _chunks(k_pos, balanced) if kp[0] <= qp[-1]]
 
 
-def _scores(q, k, mask, scale):
-    return (q @ k.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
+def _causal_mask(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def _block_math(q, k, v, causal, scale):
+    """One block's attention output and the log-sum-exp of each query row's scores."""
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _block_backward_math(d_out, q, k, v, out, lse, causal, scale):
+    """One block's dq, dk, dv from the *final* output and log-sum-exp of the query rows
+    (FlashAttention's backward, Dao et al. 2022, Alg. 2): P = exp(S - lse) are the final
+    probabilities, dS = P (dO V^T - D) with D = rowsum(dO O)."""
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    ds = p * (d_out @ v.transpose(-2, -1) - (d_out * out).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ d_out
+
+
+def _block_flash(q, k, v, causal, scale):
+    """`_block_math` by torch's fused CPU FlashAttention kernel, which also returns the log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _block_backward_flash(d_out, q, k, v, out, lse, causal, scale):
+    """`_block_backward_math` by the fused kernel's backward (it takes the final output and lse too)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+KERNELS = {"math": (_block_math, _block_backward_math), "flash": (_block_flash, _block_backward_flash)}
 
 
 def _pass_on(tensors, group, tag=0):
@@ -103,7 +140,8 @@ class _RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries against every rank's keys, by the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced, scale, counts):
+    def forward(ctx, q, k, v, group, balanced, scale, kernel, counts):
+        attend = KERNELS[kernel][0]
         rank, cp = comm.get_rank(group), comm.get_world_size(group)
         seq_len = q.shape[-2] * cp
         q_pos = positions(seq_len, rank, cp, balanced, q.device)
@@ -114,47 +152,44 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 arrived = _pass_on([k_cur, v_cur], group)
             k_pos = positions(seq_len, (rank - step) % cp, cp, balanced, q.device)
-            for qr, kr, mask in _visible_blocks(q_pos, k_pos, balanced):
-                s = _scores(q[..., qr, :].float(), k_cur[..., kr, :].float(), mask, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.exp(s - block_lse[..., None]) @ v_cur[..., kr, :].float()
+            for qr, kr, causal in _visible_blocks(q_pos, k_pos, balanced):
+                block_out, block_lse = attend(q[..., qr, :], k_cur[..., kr, :], v_cur[..., kr, :], causal, scale)
                 merged = torch.logaddexp(lse[..., qr], block_lse)  # the online-softmax merge
                 out[..., qr, :] = (out[..., qr, :] * torch.exp(lse[..., qr] - merged)[..., None]
-                                   + block_out * torch.exp(block_lse - merged)[..., None])
+                                   + block_out.float() * torch.exp(block_lse - merged)[..., None])
                 lse[..., qr] = merged
-                counts["forward"] += mask.numel()
+                counts["forward"] += (qr.stop - qr.start) * (kr.stop - kr.start)
             if step < cp - 1:
                 k_cur, v_cur = arrived()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.balanced, ctx.scale, ctx.counts = group, balanced, scale, counts
+        ctx.group, ctx.balanced, ctx.scale, ctx.kernel, ctx.counts = group, balanced, scale, kernel, counts
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, balanced, scale, counts = ctx.group, ctx.balanced, ctx.scale, ctx.counts
+        attend_backward = KERNELS[ctx.kernel][1]
         rank, cp = comm.get_rank(group), comm.get_world_size(group)
         seq_len = q.shape[-2] * cp
         q_pos = positions(seq_len, rank, cp, balanced, q.device)
-        d_out = d_out.float()
-        delta = (d_out * out.float()).sum(-1)  # D_i = sum_j P_ij dP_ij = dO_i . O_i
+        d_out = d_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k.contiguous(), v.contiguous()  # views of one qkv matrix cannot be sent as they are
+        k_cur, v_cur = k.contiguous(), v.contiguous()
         for step in range(cp):
             if step < cp - 1:
                 arrived = _pass_on([k_cur, v_cur], group)
             k_pos = positions(seq_len, (rank - step) % cp, cp, balanced, q.device)
             dk_block = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv_block = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for qr, kr, mask in _visible_blocks(q_pos, k_pos, balanced):
-                qb, kb = q[..., qr, :].float(), k_cur[..., kr, :].float()
-                p = torch.exp(_scores(qb, kb, mask, scale) - lse[..., qr, None])  # the final probabilities
-                dv_block[..., kr, :] += p.transpose(-2, -1) @ d_out[..., qr, :]
-                ds = p * (d_out[..., qr, :] @ v_cur[..., kr, :].float().transpose(-2, -1) - delta[..., qr, None])
-                dq[..., qr, :] += ds @ kb * scale
-                dk_block[..., kr, :] += ds.transpose(-2, -1) @ qb * scale
-                counts["backward"] += mask.numel()
+            for qr, kr, causal in _visible_blocks(q_pos, k_pos, balanced):
+                dq_b, dk_b, dv_b = attend_backward(d_out[..., qr, :], q[..., qr, :], k_cur[..., kr, :],
+                                                   v_cur[..., kr, :], out[..., qr, :], lse[..., qr], causal, scale)
+                dq[..., qr, :] += dq_b
+                dk_block[..., kr, :] += dk_b
+                dv_block[..., kr, :] += dv_b
+                counts["backward"] += (qr.stop - qr.start) * (kr.stop - kr.start)
             if step == 0:  # this rank's own block: its sums from the other ranks arrive at the end
                 dk, dv = dk_block, dv_block
             else:  # another rank's block: add to the sums the previous ranks made, pass them on
@@ -167,17 +202,25 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:  # after cp - 1 hops, the sums for this rank's block are home
             dk_sum, dv_sum = sums_arrived()
             dk, dv = dk + dk_sum, dv + dv_sum
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, balanced: bool = True, scale: float | None = None, counts=None):
+def ring_attention(q, k, v, group=None, balanced: bool = True, scale: float | None = None,
+                   kernel: str | None = None, counts=None):
     """Causal attention of this rank's share of the sequence, `(batch, heads, s / cp, head_dim)`,
     against the whole sequence held by the ranks of `group`; the share is `shard_sequence`'s.
-    `counts` (a dict with "forward" and "backward") adds up the scores this rank computes."""
+
+    `kernel` computes each block: "flash", torch's fused CPU FlashAttention kernel (the default
+    on CPU), or "math", the same formulas in plain tensor operations (any device; it holds a
+    block's scores at once). `counts` (a dict with "forward" and "backward") adds up the
+    scores this rank computes, per sequence and head."""
+    kernel = kernel or ("flash" if q.device.type == "cpu" else "math")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     check_split(q.shape[-2] * comm.get_world_size(group), comm.get_world_size(group), balanced)
     counts = {"forward": 0, "backward": 0} if counts is None else counts
-    return _RingAttention.apply(q, k, v, group, balanced, scale, counts)
+    return _RingAttention.apply(q, k, v, group, balanced, scale, kernel, counts)
 
 
 class _SDPAAsRing(TorchFunctionMode):
@@ -199,7 +242,7 @@ class _SDPAAsRing(TorchFunctionMode):
             raise ValueError("context parallelism has no attention dropout: set the model's dropout to 0")
         o = self.owner
         return ring_attention(call["query"], call["key"], call["value"], o.group, o.balanced, call.get("scale"),
-                              o.counts)
+                              o.kernel, o.counts)
 
 
 class ContextParallel:
@@ -208,8 +251,8 @@ class ContextParallel:
     Its inputs must be this rank's share of the sequence (`shard_sequence`). `counts` adds up the
     scores this rank computes, forward and backward; `remove()` gives the module back as it was."""
 
-    def __init__(self, module: torch.nn.Module, group=None, balanced: bool = True):
-        self.module, self.group, self.balanced = module, group, balanced
+    def __init__(self, module: torch.nn.Module, group=None, balanced: bool = True, kernel: str | None = None):
+        self.module, self.group, self.balanced, self.kernel = module, group, balanced, kernel
         self.counts = {"forward": 0, "backward": 0}
         self._mode = None
         self._hooks = [module.register_forward_pre_hook(self._enter),
@@ -229,6 +272,7 @@ class ContextParallel:
         self._hooks = []
 
 
-def apply_context_parallel(module: torch.nn.Module, group=None, balanced: bool = True) -> ContextParallel:
+def apply_context_parallel(module: torch.nn.Module, group=None, balanced: bool = True,
+                           kernel: str | None = None) -> ContextParallel:
     """Context parallelism on `module` (one attention, a block or a whole model) over `group`."""
-    return ContextParallel(module, group, balanced)
+    return ContextParallel(module, group, balanced, kernel)
