@@ -24,6 +24,11 @@ of dK and dV of each block, which collect every rank's contribution on their way
 block's owner. Scores are recomputed from the saved log-sum-exp (as FlashAttention's backward
 does), so a rank keeps q, k, v, the output and the log-sum-exp of its own positions only.
 
+Each block (a chunk of queries against a chunk of keys) is computed by a kernel that returns the
+block's output and log-sum-exp: torch's fused CPU FlashAttention kernel ("flash", the default on
+CPU), or the same formulas in plain tensor operations ("math": any device, easy to read, but it
+holds a block's scores at once and is several times slower).
+
 Use: `shard_sequence` gives a rank its share of a batch's positions (and `positions` their
 global indices, for position embeddings); `apply_context_parallel(module, group)` makes every
 causal `scaled_dot_product_attention` that `module`'s forward calls a ring attention over the
@@ -247,7 +252,7 @@ class _SDPAAsRing(TorchFunctionMode):
 
 class ContextParallel:
     """Ring attention on `module`: while its forward runs, its causal scaled_dot_product_attention
-    calls are ring attentions over `group` (torch's own `context_parallel` works the same way).
+    calls are ring attentions over `group` (as torch's own `context_parallel` replaces SDPA inside its context).
     Its inputs must be this rank's share of the sequence (`shard_sequence`). `counts` adds up the
     scores this rank computes, forward and backward; `remove()` gives the module back as it was."""
 
