@@ -91,7 +91,8 @@ def _causal_mask(n: int, device) -> torch.Tensor:
 
 
 def _block_math(q, k, v, causal, scale):
-    """One block's attention output and the log-sum-exp of each query row's scores."""
+    """One block's attention output and the log-sum-exp of each query row's scores (in fp32)."""
+    q, k, v = q.float(), k.float(), v.float()
     s = q @ k.transpose(-2, -1) * scale
     if causal:
         s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
@@ -102,7 +103,8 @@ def _block_math(q, k, v, causal, scale):
 def _block_backward_math(d_out, q, k, v, out, lse, causal, scale):
     """One block's dq, dk, dv from the *final* output and log-sum-exp of the query rows
     (FlashAttention's backward, Dao et al. 2022, Alg. 2): P = exp(S - lse) are the final
-    probabilities, dS = P (dO V^T - D) with D = rowsum(dO O)."""
+    probabilities, dS = P (dO V^T - D) with D = rowsum(dO O). In fp32, as the forward."""
+    d_out, q, k, v, out = d_out.float(), q.float(), k.float(), v.float(), out.float()
     s = q @ k.transpose(-2, -1) * scale
     if causal:
         s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
