@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-BENCHMARKS = ("collectives", "ddp", "zero", "tp", "pp", "launch")
+BENCHMARKS = ("collectives", "ddp", "zero", "tp", "pp", "launch", "cp")
 
 
 def alternate(candidates: dict, repeats: int, sync) -> dict[str, list[float]]:

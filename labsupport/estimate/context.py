@@ -1,0 +1,96 @@
+"""What context parallelism costs: the split's rules, the memory per rank and the ring's traffic.
+
+Context parallelism (CP) cuts the sequence over `cp` ranks; ring attention (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers for Near-Infinite Context") passes the key/value
+blocks around the ring so that every query still sees every earlier key. With a causal mask the
+balanced split gives each rank one chunk from the front and one from the back of the sequence
+(2 cp chunks of s / (2 cp) positions), as Llama 3 (Dubey et al. 2024, Sec 3.3.2) and Megatron-LM's
+context parallelism do, so every rank computes the same number of scores.
+
+Sizes are bytes per rank, for one layer and one micro-batch: b = micro_batch, c = seq_len / cp (the
+block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp).
+"""
+from __future__ import annotations
+
+from .memory import activation_bytes_per_layer
+
+GRAD_BYTES = 4  # the travelling dK and dV sums are kept in fp32, whatever the compute dtype
+LSE_BYTES = 4   # the log-sum-exp of each query row, fp32
+
+
+def split_problems(seq_len: int, cp: int, balanced: bool = True) -> list[str]:
+    """What is wrong with cutting `seq_len` positions over `cp` ranks, one line each (none: fine)."""
+    if cp < 1:
+        return [f"--cp {cp} must be at least 1"]
+    chunks = 2 * cp if balanced else cp
+    if seq_len % chunks:
+        how = f"2 x cp = {chunks} chunks (the balanced split)" if balanced else f"{cp} ranks"
+        return [f"the sequence length {seq_len} does not split into {how}; use a multiple of {chunks}"]
+    return []
+
+
+def kv_block_bytes(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> int:
+    """One rank's K (or V) block: b c h elements."""
+    return micro_batch * (seq_len // cp) * hidden * dtype_bytes
+
+
+def attention_memory(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1,
+                     dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes of one ring attention per rank: `saved` for backward, `in_flight` K/V blocks, `total`.
+
+    Liu et al. 2023, Sec 3 and Table 1: ring attention keeps 6 b c h per layer: the query, the
+    output, the key and value block it computes with, and the key and value block it receives
+    meanwhile. Here `saved` is what the backward needs: q, k, v and the output (4 b c h) and the
+    log-sum-exp of each query row (b c heads in fp32), as FlashAttention keeps (Dao et al. 2022);
+    no c x c scores. `in_flight` are the received K/V blocks alive at once in the forward pass:
+    with cp = 2 one pair arrives (2 b c h, so 6 b c h with `saved`, the paper's figure); with
+    more ranks the next pair arrives while the last received one is computed with (4 b c h).
+    """
+    c = seq_len // cp
+    block = kv_block_bytes(seq_len, micro_batch, hidden, cp, dtype_bytes)
+    saved = 4 * block + micro_batch * c * heads * LSE_BYTES
+    in_flight = 2 * block * min(cp - 1, 2)
+    return {"saved": saved, "in_flight": in_flight, "total": saved + in_flight}
+
+
+def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1, tp: int = 1,
+                     sequence_parallel: bool = False, dtype_bytes: int = 2) -> int:
+    """One transformer layer's activations per rank under CP: the layer's activations divided by cp,
+    plus the K/V blocks in flight.
+
+    Every activation Korthikanti et al. 2022 count (memory.activation_bytes_per_layer) belongs to
+    one position, so each rank keeps them for its s / cp positions. Ring attention stores no
+    scores (the 5 a s^2 b term), as with selective recomputation. In flight: `attention_memory`.
+    """
+    per_rank = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
+                                          sequence_parallel=sequence_parallel, recompute="selective")
+    local_hidden = hidden // tp
+    return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes)["in_flight"]
+
+
+def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> dict:
+    """What one rank sends in one layer's ring attention: {"forward"|"backward": {"calls", "payload_bytes"}}.
+
+    Liu et al. 2023, Sec 3: in each of the cp steps a rank computes with one K/V block while it
+    sends that block on; a block needs cp - 1 hops to have visited every rank, so the forward
+    sends K and V cp - 1 times each. The backward passes K and V the same way, and beside them the
+    sums of dK and dV for each block, which collect each rank's contribution and reach the block's
+    owner after cp - 1 hops (2 (cp - 1) more sends, in fp32). Each send has its receive on the
+    neighbour: the receives are the same calls and bytes.
+    """
+    hops = cp - 1
+    kv = kv_block_bytes(seq_len, micro_batch, hidden, cp, dtype_bytes)
+    grads = kv_block_bytes(seq_len, micro_batch, hidden, cp, GRAD_BYTES)
+    return {"forward": {"calls": 2 * hops, "payload_bytes": 2 * hops * kv},
+            "backward": {"calls": 4 * hops, "payload_bytes": 2 * hops * (kv + grads)}}
+
+
+def min_block_for_overlap(peak_flops: float, link_bytes_per_s: float) -> float:
+    """The smallest block c (positions per rank) for which computing with a K/V block takes at least
+    as long as sending it, so the ring's communication hides behind compute: c >= F / B.
+
+    Liu et al. 2023, Sec 3: a block costs 4 d c^2 FLOPs (q k^T and the product with v) and its K
+    and V 4 c d bytes in 16 bits, so 4 d c^2 / F >= 4 c d / B. Their table of minimal block sizes:
+    about 1K positions for an A100 (312 TFLOPS bf16) over NVLink (300 GB/s).
+    """
+    return peak_flops / link_bytes_per_s

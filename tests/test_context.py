@@ -1,0 +1,223 @@
+"""Context parallelism (labsupport/parallel/context.py) on real ranks, held to dense causal attention
+on one process, and the estimate (labsupport/estimate/context.py) held to what the ranks measure.
+
+One launch per rank count (2 and 4) runs RANKS, which checks everything for that count and reports:
+- ring attention on this rank's share of q, k, v, balanced and plain split, each block by the fused
+  kernel and by the plain math: the output and dq, dk, dv equal dense scaled_dot_product_attention's
+  on the whole sequence (1e-5 relative);
+- the library object on TinyGPT's CausalSelfAttention: the output, the gradient of the input of the
+  qkv projection and of the projection's input, and the weight gradients summed over the group;
+  then removed, the module is dense again;
+- the scores each rank computes, plain and balanced (deterministic counts, not times);
+- one forward + backward's comm counters, the bytes saved for backward and the K/V buffers
+  received and alive at once, against the estimate.
+"""
+import textwrap
+
+import pytest
+
+from labsupport.estimate.context import (activation_bytes, attention_memory, min_block_for_overlap, ring_traffic,
+                                         split_problems)
+from labsupport.estimate.memory import activation_bytes_per_layer
+
+B, HEADS, HEAD_DIM, SEQ = 2, 2, 4, 16  # 2 cp = 8 chunks of 2 positions on 4 ranks
+SPLITS = [f"{split} {kernel}" for split in ("balanced", "plain") for kernel in ("flash", "math")]
+
+RANKS = textwrap.dedent(f'''
+    import weakref
+    import torch, torch.nn.functional as F
+    from labsupport import comm, init, report
+    from labsupport.metrics import ActivationMeter
+    from labsupport.model import CausalSelfAttention, ModelConfig
+    from labsupport.parallel.context import apply_context_parallel, ring_attention, shard_sequence
+
+    B, HEADS, HEAD_DIM, SEQ = {B}, {HEADS}, {HEAD_DIM}, {SEQ}
+
+    def rel(got, want):
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    class Received:
+        """The receive buffers of comm's batch_isend_irecv that are alive, and the most at once."""
+        def __init__(self):
+            self.bytes = self.peak = 0
+            self.inner = comm.batch_isend_irecv
+        def __call__(self, ops, group=None):
+            for kind, t, _, _ in ops:
+                if kind == "recv":
+                    self.bytes += t.nbytes
+                    self.peak = max(self.peak, self.bytes)
+                    weakref.finalize(t, self.release, t.nbytes)
+            return self.inner(ops, group)
+        def release(self, n):
+            self.bytes -= n
+
+    out = {{}}
+    with init(seed=0) as rt:
+        group = comm.new_group(range(rt.world_size), "cp")
+        rank, cp = rt.rank, rt.world_size
+        g = torch.Generator().manual_seed(0)
+        q, k, v, grad = (torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=g) for _ in range(4))
+        dense = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*dense, is_causal=True)
+        ref.backward(grad)
+        for balanced, kernel in [(True, "flash"), (False, "flash"), (True, "math"), (False, "math")]:
+            split = ("balanced " if balanced else "plain ") + kernel
+            mine = [shard_sequence(t, rank, cp, balanced, dim=2).requires_grad_() for t in (q, k, v)]
+            counts = {{"forward": 0, "backward": 0}}
+            received = comm.batch_isend_irecv = Received()
+            comm.reset()
+            with ActivationMeter().measure() as meter:
+                o = ring_attention(*mine, group=group, balanced=balanced, kernel=kernel, counts=counts)
+            out[split + " received peak"] = received.peak
+            o.backward(shard_sequence(grad, rank, cp, balanced, dim=2))
+            comm.batch_isend_irecv = received.inner
+            out[split + " comm"] = comm.group_counts().get("cp", {{}})
+            out[split + " saved"] = meter.peak
+            out[split + " scores"] = counts
+            out[split + " errors"] = {{name: rel(got, shard_sequence(want, rank, cp, balanced, dim=2))
+                                      for name, got, want in [("out", o, ref), ("dq", mine[0].grad, dense[0].grad),
+                                                              ("dk", mine[1].grad, dense[1].grad),
+                                                              ("dv", mine[2].grad, dense[2].grad)]}}
+
+        # the library object on the model's attention: x -> qkv -> attention -> proj
+        cfg = ModelConfig("t", n_layers=1, hidden=HEADS * HEAD_DIM, heads=HEADS, vocab=8, seq_len=SEQ)
+        attention = CausalSelfAttention(cfg)
+        x = torch.randn(B, SEQ, cfg.hidden, generator=g, requires_grad=True)
+        proj_input = {{}}
+        attention.proj.register_forward_hook(lambda m, a, y: a[0].retain_grad() or proj_input.update(t=a[0]))
+        y_ref = attention(x)
+        y_ref.backward(grad.transpose(1, 2).reshape(B, SEQ, -1))
+        dense_grads = {{n: p.grad.clone() for n, p in attention.named_parameters()}}
+        dense_proj_input = shard_sequence(proj_input["t"].grad, rank, cp, dim=1)
+        attention.zero_grad()
+        cp_on = apply_context_parallel(attention, group, balanced=True)
+        x_mine = shard_sequence(x.detach(), rank, cp).requires_grad_()
+        y = attention(x_mine)
+        y.backward(shard_sequence(grad.transpose(1, 2).reshape(B, SEQ, -1), rank, cp))
+        errors = {{"out": rel(y, shard_sequence(y_ref, rank, cp)),
+                  "d input": rel(x_mine.grad, shard_sequence(x.grad, rank, cp)),
+                  "d proj input": rel(proj_input["t"].grad, dense_proj_input)}}
+        for n, p in attention.named_parameters():  # each rank's weight gradient is its positions' part
+            comm.all_reduce(p.grad, group=group)
+            errors["d " + n] = rel(p.grad, dense_grads[n])
+        out["module errors"] = errors
+        out["module scores"] = cp_on.counts
+        cp_on.remove()
+        out["removed is dense"] = rel(attention(x), y_ref)
+    report(**out)
+''')
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def ranks(request, tmp_path_factory):
+    """Rank k's reports of one launch of RANKS on cp ranks: (cp, [report of rank k])."""
+    from labsupport.launch import launch
+    where = tmp_path_factory.mktemp(f"cp{request.param}")
+    script = where / "ring.py"
+    script.write_text(RANKS)
+    res = launch(str(script), nproc=request.param, timeout=120, run_dir=where / "run", ranks="0")
+    return request.param, [res.report(r) for r in range(request.param)]
+
+
+@pytest.mark.multiprocess
+def test_ring_attention_equals_dense_causal_attention_outputs_and_gradients(ranks):
+    cp, reports = ranks
+    for rank, r in enumerate(reports):
+        for split in SPLITS:
+            for name, err in r[f"{split} errors"].items():
+                assert err <= 1e-5, f"cp {cp} rank {rank} {split}: {name} differs by {err:.2e} (relative)"
+
+
+@pytest.mark.multiprocess
+def test_the_library_object_on_the_models_attention_equals_it_dense_and_comes_off(ranks):
+    cp, reports = ranks
+    for rank, r in enumerate(reports):
+        assert set(r["module errors"]) == {"out", "d input", "d proj input", "d qkv.weight", "d qkv.bias",
+                                           "d proj.weight", "d proj.bias"}
+        for name, err in r["module errors"].items():
+            assert err <= 1e-5, f"cp {cp} rank {rank}: {name} differs by {err:.2e} (relative)"
+        assert r["module scores"]["forward"] == r["balanced flash scores"]["forward"] > 0
+        assert r["removed is dense"] == 0.0
+
+
+@pytest.mark.multiprocess
+def test_the_balanced_split_evens_out_the_causal_work_the_plain_split_leaves_uneven(ranks):
+    cp, reports = ranks
+    c = SEQ // cp
+    # plain: rank r computes its own block (masked) and the r earlier ranks' blocks whole
+    assert all(r[f"{split} {kernel} scores"] == r[f"{split} flash scores"] for r in reports
+               for split in ("plain", "balanced") for kernel in ("math", "flash"))
+    plain = [r["plain flash scores"] for r in reports]
+    assert plain == [{"forward": (rank + 1) * c * c, "backward": (rank + 1) * c * c} for rank in range(cp)]
+    # balanced: 2 cp chunks; every rank computes 2 cp + 1 of the chunk pairs the mask does not hide entirely
+    half = SEQ // (2 * cp)
+    balanced = [r["balanced flash scores"] for r in reports]
+    assert balanced == [{"forward": (2 * cp + 1) * half * half, "backward": (2 * cp + 1) * half * half}] * cp
+    assert max(p["forward"] for p in plain) / min(p["forward"] for p in plain) == cp
+    assert sum(p["forward"] for p in balanced) < sum(p["forward"] for p in plain), "hidden chunk pairs are skipped"
+
+
+@pytest.mark.multiprocess
+def test_counters_saved_bytes_and_buffers_in_flight_are_the_estimates(ranks):
+    cp, reports = ranks
+    traffic = ring_traffic(SEQ, B, HEADS * HEAD_DIM, cp, dtype_bytes=4)
+    sends = {k: traffic["forward"][k] + traffic["backward"][k] for k in ("calls", "payload_bytes")}
+    memory = attention_memory(SEQ, B, HEADS * HEAD_DIM, HEADS, cp, dtype_bytes=4)
+    for rank, r in enumerate(reports):
+        for split in SPLITS:
+            counted = r[f"{split} comm"]
+            assert set(counted) == {"send", "recv"}, counted
+            for op in ("send", "recv"):
+                assert {k: counted[op][k] for k in sends} == sends, (cp, rank, split, op)
+            assert r[f"{split} saved"] == memory["saved"], (cp, rank, split)
+            assert r[f"{split} received peak"] == memory["in_flight"], (cp, rank, split)
+
+
+def test_the_ring_traffic_is_each_block_going_round_once_forward_and_twice_backward():
+    t = ring_traffic(seq_len=8192, micro_batch=1, hidden=4096, cp=4, dtype_bytes=2)
+    block = 1 * 2048 * 4096 * 2
+    assert t["forward"] == {"calls": 6, "payload_bytes": 6 * block}   # K and V, 3 hops each
+    assert t["backward"] == {"calls": 12, "payload_bytes": 6 * block + 6 * 2 * block}  # and dK, dV in fp32
+    assert ring_traffic(8192, 1, 4096, cp=1) == {"forward": {"calls": 0, "payload_bytes": 0},
+                                                 "backward": {"calls": 0, "payload_bytes": 0}}
+
+
+def test_memory_is_the_papers_six_blocks_and_the_layer_divided_by_cp():
+    # Liu et al. 2023, Table 1: ring attention keeps 6 b c h per layer (16-bit: 12 b c h bytes)
+    b, s, h, a = 2, 4096, 1024, 16
+    m = attention_memory(s, b, h, a, cp=2, dtype_bytes=2)
+    c = s // 2
+    assert m["total"] - b * c * a * 4 == 6 * b * c * h * 2, "the paper's 6 b c h plus the fp32 log-sum-exp"
+    assert attention_memory(s, b, h, a, cp=8)["in_flight"] == 4 * b * (s // 8) * h * 2
+    assert attention_memory(s, b, h, a, cp=1)["in_flight"] == 0
+    one = activation_bytes_per_layer(s, b, h, a, recompute="selective")
+    assert activation_bytes(s, b, h, a, cp=4) == one // 4 + attention_memory(s, b, h, a, cp=4)["in_flight"]
+
+
+def test_the_block_that_hides_communication_is_the_papers_1k_for_an_a100_over_nvlink():
+    # Liu et al. 2023, Sec 3: c >= F / B; their table: ~1K for A100 (312 TFLOPS) over NVLink (300 GB/s)
+    assert round(min_block_for_overlap(312e12, 300e9)) == 1040
+
+
+@pytest.mark.parametrize("seq_len, cp, balanced, message", [
+    (10, 4, False, "the sequence length 10 does not split into 4 ranks; use a multiple of 4"),
+    (12, 4, True, "the sequence length 12 does not split into 2 x cp = 8 chunks (the balanced split); "
+                  "use a multiple of 8"),
+    (16, 0, True, "--cp 0 must be at least 1"),
+])
+def test_a_split_that_does_not_fit_is_one_line(seq_len, cp, balanced, message):
+    assert split_problems(seq_len, cp, balanced) == [message]
+    assert split_problems(16, 4, True) == [] and split_problems(12, 4, False) == []
+
+
+def test_the_split_functions_refuse_before_any_communication():
+    import torch
+
+    from labsupport.parallel.context import positions, ring_attention, shard_sequence
+    with pytest.raises(ValueError, match="does not split into 2 x cp = 4 chunks"):
+        shard_sequence(torch.zeros(1, 6), 0, 2)
+    assert positions(16, 1, 4).tolist() == [2, 3, 12, 13]     # one chunk from the front, one from the back
+    assert positions(16, 1, 4, balanced=False).tolist() == [4, 5, 6, 7]
+    q = torch.zeros(1, 1, 3, 2)
+    with pytest.raises(ValueError, match="sequence length 3 does not split into 2 x cp = 2 chunks"):
+        ring_attention(q, q, q)
