@@ -313,6 +313,9 @@ def cmd_bench(args) -> int:
         options = {"sizes": args.sizes, "repeats": args.repeats}
     elif args.name == "launch":
         options = {"repeats": args.repeats}
+    elif args.name == "cp":
+        options = {"model": args.model, "global_batch": args.global_batch, "repeats": args.repeats,
+                   "seq_lens": args.sizes}
     else:
         options = {"model": args.model, "global_batch": args.global_batch, "bucket_mb": args.bucket_mb,
                    "repeats": args.repeats, "bucket_sweep": args.bucket_sweep, "microbatches": args.microbatches}
@@ -381,11 +384,12 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("--nproc", type=int, default=2)
     b.add_argument("--timeout", type=float, default=600)
-    b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes")
+    b.add_argument("--sizes", default=None, help="collectives: comma-separated message sizes in bytes; "
+                   "cp: comma-separated sequence lengths (default: the model's seq_len x 1, 4, 16)")
     b.add_argument("--repeats", type=int, default=None,
                    help="timed repetitions per variant (launch: rounds of one fresh launch and 7 pool cells)")
-    b.add_argument("--model", default="micro", help="ddp, zero, tp, pp: the CPU preset trained")
-    b.add_argument("--global-batch", type=int, default=16, help="ddp, zero, tp, pp: sequences per step")
+    b.add_argument("--model", default="micro", help="ddp, zero, tp, pp: the CPU preset trained; cp: whose heads and hidden size")
+    b.add_argument("--global-batch", type=int, default=16, help="ddp, zero, tp, pp: sequences per step; cp: sequences")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="ddp, zero: bucket size of ours and torch's")
     b.add_argument("--bucket-sweep", default=None, help="ddp: extra bucket sizes for ours, e.g. 0.25,1,4")
     b.add_argument("--microbatches", type=int, default=None, help="pp: micro-batches per step (default 4)")

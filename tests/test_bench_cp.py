@@ -35,7 +35,9 @@ def test_bench_cp_races_the_ring_against_dense_attention_over_sequence_lengths()
     (["--nproc", "1"], "bench cp needs --nproc 2 or more"),
     (["--nproc", "3", "--model", "nano"],
      "the sequence length 64 does not split into 2 x cp = 6 chunks (the balanced split); use a multiple of 6"),
-    (["--bucket-sweep", "1,2"], "--bucket-sweep and --microbatches are for bench ddp and pp"),
+    (["--sizes", "64,102"],
+     "the sequence length 102 does not split into 2 x cp = 4 chunks (the balanced split); use a multiple of 4"),
+    (["--sizes", "64,1k"], "--sizes 64,1k: give sequence lengths as whole numbers, e.g. 1024,4096"),
     (["--model", "22b"], "--model 22b is an analysis shape; use nano, micro or mini"),
 ])
 def test_bench_cp_refuses_bad_arguments_in_one_line(args, message):

@@ -22,19 +22,19 @@ def seq_lens_for(model: str, seq_lens=None) -> list[int]:
         return [get_preset(model).seq_len * f for f in FACTORS]
     if isinstance(seq_lens, str):
         seq_lens = seq_lens.split(",")
-    return [int(s) for s in seq_lens]
+    try:
+        return [int(s) for s in seq_lens]
+    except ValueError:
+        raise ValueError(f"--sizes {','.join(map(str, seq_lens))}: give sequence lengths as whole numbers, "
+                         "e.g. 1024,4096") from None
 
 
-def check(nproc: int, model="micro", global_batch=16, repeats=10, seq_lens=None, bucket_mb=None, bucket_sweep=None,
-          microbatches=None) -> None:
-    """Bad options fail here, one line, before any rank starts; `bucket_mb` is the step races'
-    (the CLI passes it to every benchmark) and means nothing to attention."""
+def check(nproc: int, model="micro", global_batch=16, repeats=10, seq_lens=None) -> None:
+    """Bad options fail here, one line, before any rank starts."""
     from ..estimate.context import split_problems
     from ..estimate.shapes import get_preset
     if nproc < 2:
         raise ValueError("bench cp needs --nproc 2 or more: the ring needs a neighbour")
-    if bucket_sweep or microbatches is not None:
-        raise ValueError("--bucket-sweep and --microbatches are for bench ddp and pp")
     if get_preset(model).vocab is not None:
         raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
     if global_batch < 1 or repeats < 1:
