@@ -13,23 +13,24 @@ pytestmark = pytest.mark.multiprocess
 
 # ---------------------------------------------------------------- library level: trap models, every step compared
 
-TRAPS = textwrap.dedent('''
-    """Each rank trains a DataParallel replica on its shard and, beside it, the single-device
-    reference on the whole global batch; after the sync and before the optimizer step the
-    gradients must agree (under AdamW the losses could not see a gradient scaled by a
-    constant), and after the step the parameters."""
-    import sys, warnings
+CHECKS = textwrap.dedent('''
+    """Every case of this world size, one after the other, each with its own DataParallel;
+    argv[1] lists them as JSON: (label, check, its arguments). Reports {label: what it found}."""
+    import json, sys, warnings
     from contextlib import nullcontext
     import torch, torch.nn as nn, torch.nn.functional as F
-    from labsupport import init, report
+    from labsupport import comm, init, report
+    from labsupport.parallel import ddp as data_parallel
     from labsupport.parallel.ddp import DataParallel
     from labsupport.parallel.optim import adamw
 
     class Trap(nn.Module):
         """Tied embedding/head, a frozen layer, a layer used only on even steps (all ranks alike),
-        and a branch used only by sequences holding token 0 (so on some ranks only)."""
-        def __init__(self):
+        and a branch used only by sequences holding token 0 (so on some ranks only; with
+        `same_everywhere`, never: then every rank must use the same parameters)."""
+        def __init__(self, same_everywhere):
             super().__init__()
+            self.same_everywhere = same_everywhere
             self.emb = nn.Embedding(16, 8)
             self.fc = nn.Linear(8, 8)
             self.frozen = nn.Linear(8, 8).requires_grad_(False)
@@ -41,85 +42,142 @@ TRAPS = textwrap.dedent('''
             h = torch.tanh(self.fc(self.frozen(self.emb(x))))
             if step % 2 == 0:
                 h = h + self.sometimes(h)
-            uses = (x == 0).any(dim=1)
+            uses = torch.zeros(len(x), dtype=torch.bool) if self.same_everywhere else (x == 0).any(dim=1)
             if uses.any():
                 h = h + uses[:, None, None] * self.branch(h)
             return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
-    mode, accum, find_unused = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "find-unused"
-    failures = []
-    with init(seed=0) as rt, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.manual_seed(rt.rank)  # different init per rank: the broadcast must fix it
-        ddp = DataParallel(Trap(), mode=mode, bucket_mb=0.0005, find_unused_parameters=find_unused)  # ~4 buckets
-        torch.manual_seed(0)
-        reference = Trap()
-        ref_opt, opt = adamw(reference.parameters(), 1e-2, 0.1), adamw(ddp.parameters(), 1e-2, 0.1)  # the loop's AdamW recipe, for both
-        n, per = rt.world_size, 2 * accum
-        data = torch.Generator().manual_seed(1)
-        for step in range(6):
-            x = torch.randint(1, 16, (n * per, 5), generator=data)
-            x[torch.randint(0, n * per, (1,), generator=data), 0] = 0  # token 0 in one sequence only
-            y = torch.randint(0, 16, (n * per, 5), generator=data)
-            reference(x, y, step).backward()  # the reference sees the whole global batch
-            mine = slice(rt.rank * per, (rt.rank + 1) * per)
-            xs, ys = x[mine].chunk(accum), y[mine].chunk(accum)
-            for i in range(accum):
-                with ddp.no_sync() if i < accum - 1 else nullcontext():
-                    (ddp(xs[i], ys[i], step) / accum).backward()  # plain backward: no strategy call
-            ddp.finish_gradient_synchronization()
-            for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
-                if (a.grad is None) != (b.grad is None):
-                    failures.append(f"step {step}: {name} has a gradient on one side only")
-                elif a.grad is not None and not torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5):
-                    failures.append(f"step {step}: grad of {name} differs by {(a.grad - b.grad).abs().max().item():.2e}")
-            ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
-            opt.step(); opt.zero_grad(set_to_none=True)
-            for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
-                if not torch.allclose(a, b, atol=1e-6, rtol=1e-5):
-                    failures.append(f"step {step}: {name} differs by {(a - b).abs().max().item():.2e}")
-        report(failures=failures, frozen_untouched=bool(torch.equal(ddp.module.frozen.weight, reference.frozen.weight)),
-               warnings=[str(w.message) for w in caught if "DataParallel" in str(w.message)])
+    class SumBucket(data_parallel.Bucket):
+        """The planted bug: a bucket that sums the gradients (forgets to divide by the world size)."""
+        def launch(self):
+            for p, view in self._views():
+                view.copy_(p.grad.view(-1)) if p.grad is not None else view.zero_()
+            self.work = comm.all_reduce(self.buffer, "sum", group=self.group, async_op=True)
+
+    def traps(rt, mode, accum, find_unused, planted_sum):
+        """Each rank trains a DataParallel replica on its shard and, beside it, the single-device
+        reference on the whole global batch; after the sync and before the optimizer step the
+        gradients must agree (under AdamW the losses could not see a gradient scaled by a
+        constant), and after the step the parameters. `planted_sum`: SumBucket, for this case only."""
+        failures = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bucket = data_parallel.Bucket
+            data_parallel.Bucket = SumBucket if planted_sum else bucket
+            torch.manual_seed(rt.rank)  # different init per rank: the broadcast must fix it
+            ddp = DataParallel(Trap(not find_unused), mode=mode, bucket_mb=0.0005,  # ~4 buckets
+                               find_unused_parameters=find_unused)
+            torch.manual_seed(0)
+            reference = Trap(not find_unused)
+            ref_opt, opt = adamw(reference.parameters(), 1e-2, 0.1), adamw(ddp.parameters(), 1e-2, 0.1)  # the loop's AdamW recipe, for both
+            n, per = rt.world_size, 2 * accum
+            data = torch.Generator().manual_seed(1)
+            for step in range(6):
+                x = torch.randint(1, 16, (n * per, 5), generator=data)
+                x[torch.randint(0, n * per, (1,), generator=data), 0] = 0  # token 0 in one sequence only
+                y = torch.randint(0, 16, (n * per, 5), generator=data)
+                reference(x, y, step).backward()  # the reference sees the whole global batch
+                mine = slice(rt.rank * per, (rt.rank + 1) * per)
+                xs, ys = x[mine].chunk(accum), y[mine].chunk(accum)
+                for i in range(accum):
+                    with ddp.no_sync() if i < accum - 1 else nullcontext():
+                        (ddp(xs[i], ys[i], step) / accum).backward()  # plain backward: no strategy call
+                ddp.finish_gradient_synchronization()
+                for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
+                    if (a.grad is None) != (b.grad is None):
+                        failures.append(f"step {step}: {name} has a gradient on one side only")
+                    elif a.grad is not None and not torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5):
+                        failures.append(f"step {step}: grad of {name} differs by {(a.grad - b.grad).abs().max().item():.2e}")
+                ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+                opt.step(); opt.zero_grad(set_to_none=True)
+                for (name, a), b in zip(reference.named_parameters(), ddp.module.parameters()):
+                    if not torch.allclose(a, b, atol=1e-6, rtol=1e-5):
+                        failures.append(f"step {step}: {name} differs by {(a - b).abs().max().item():.2e}")
+            ddp.close()
+            data_parallel.Bucket = bucket
+        return dict(failures=failures, frozen_untouched=bool(torch.equal(ddp.module.frozen.weight, reference.frozen.weight)),
+                    warnings=[str(w.message) for w in caught if "DataParallel" in str(w.message)])
+
+    def rewrap(rt):
+        """A cell that wraps a model twice (run again without closing the first wrapper), closes both."""
+        def hooks(module):
+            return sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        first = DataParallel(model, bucket_mb=0.00001)   # a cell run once ...
+        second = DataParallel(model, bucket_mb=0.00001)  # ... and again, without closing the first
+        counted = [hooks(model)]
+        comm.reset()
+        second(torch.randn(3, 4)).sum().backward()
+        second.finish_gradient_synchronization()
+        calls = comm.counts()["all_reduce"]["calls"]
+        second.close()
+        first.close()  # already replaced: nothing left to remove
+        counted.append(hooks(model))
+        comm.reset()
+        model(torch.randn(3, 4)).sum().backward()
+        return dict(hooks=counted, calls=calls, buckets=len(second.buckets), after_close=comm.counts())
+
+    with init(seed=0) as rt:
+        for label, check, *args in json.loads(sys.argv[1]):
+            try:
+                report(**{label: {"traps": traps, "rewrap": rewrap}[check](rt, *args)})
+            except Exception as e:
+                raise RuntimeError(f"case {label!r} failed: {type(e).__name__}: {e}") from e
 ''')
 
+TRAP_CASES = [(2, "bucketed", 1, True), (3, "bucketed", 2, True), (3, "bucketed", 2, False), (2, "naive", 2, False),
+              (2, "flat", 1, False)]
+PLANTED_SUM = "planted: sum instead of average"
 
-@pytest.mark.parametrize("nproc, mode, accum, find_unused", [
-    (2, "bucketed", 1, True), (3, "bucketed", 2, True), (3, "bucketed", 2, False), (2, "naive", 2, False),
-    (2, "flat", 1, False)])
-def test_trap_model_matches_single_device_every_step(tmp_path, nproc, mode, accum, find_unused):
-    script = tmp_path / "traps.py"
-    source = TRAPS
-    if not find_unused:  # then every rank must use the same parameters: no data-dependent branch
-        source = source.replace("uses = (x == 0).any(dim=1)", "uses = torch.zeros(len(x), dtype=torch.bool)")
-    script.write_text(source)
-    res = launch(str(script), mode, accum, "find-unused" if find_unused else "-", nproc=nproc, timeout=120,
-                 run_dir=tmp_path / "run")
+
+def trap_label(nproc, mode, accum, find_unused):
+    return f"{mode} on {nproc} ranks, {accum} micro-batch(es), find_unused {find_unused}"
+
+
+# every case: {label: (ranks, check, its arguments)}
+CASES = {
+    **{trap_label(*case): (case[0], "traps", *case[1:], False) for case in TRAP_CASES},
+    PLANTED_SUM: (2, "traps", "bucketed", 1, True, True),
+    "rewrap": (2, "rewrap"),
+}
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """`checks(label)`: the case's report per rank. The first case asked for on N ranks launches every
+    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    runs = {}
+
+    def reports(label):
+        nproc = CASES[label][0]
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"checks{nproc}")
+            (folder / "checks.py").write_text(CHECKS)
+            cases = [(label, *case[1:]) for label, case in CASES.items() if case[0] == nproc]
+            runs[nproc] = launch(str(folder / "checks.py"), json.dumps(cases), nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
+    return reports
+
+
+@pytest.mark.parametrize("nproc, mode, accum, find_unused", TRAP_CASES)
+def test_trap_model_matches_single_device_every_step(checks, nproc, mode, accum, find_unused):
+    reports = checks(trap_label(nproc, mode, accum, find_unused))
     for rank in range(nproc):
-        assert res.report(rank)["failures"] == []
-        assert res.report(rank)["frozen_untouched"]
-    stalled = res.report(0)["warnings"]
+        assert reports[rank]["failures"] == []
+        assert reports[rank]["frozen_untouched"]
+    stalled = reports[0]["warnings"]
     if mode == "bucketed" and not find_unused:  # branch is never used: its bucket held back the later ones
         assert len(stalled) == 1 and "branch.weight" in stalled[0] and "without overlap" in stalled[0], stalled
     else:
         assert stalled == []
 
 
-def test_planted_sum_instead_of_average_is_caught_by_the_gradients(tmp_path):
+def test_planted_sum_instead_of_average_is_caught_by_the_gradients(checks):
     """Summing gradients (forgetting to divide by the world size) leaves AdamW's steps almost
     unchanged; the gradient comparison must catch it."""
-    script = tmp_path / "traps.py"
-    script.write_text(TRAPS.replace("from labsupport.parallel.ddp import DataParallel", textwrap.dedent("""
-        from labsupport.parallel import ddp as _ddp
-        from labsupport import comm as _comm
-        class _SumBucket(_ddp.Bucket):
-            def launch(self):
-                for p, view in self._views():
-                    view.copy_(p.grad.view(-1)) if p.grad is not None else view.zero_()
-                self.work = _comm.all_reduce(self.buffer, "sum", group=self.group, async_op=True)
-        _ddp.Bucket = _SumBucket
-        DataParallel = _ddp.DataParallel""")))
-    res = launch(str(script), "bucketed", 1, "find-unused", nproc=2, timeout=120, run_dir=tmp_path / "run")
-    failures = res.report(0)["failures"]
+    failures = checks(PLANTED_SUM)[0]["failures"]
     assert any(f.startswith("step 0: grad of") for f in failures), failures
 
 
@@ -176,36 +234,8 @@ def test_ddp_on_subgroups_each_group_matches_its_own_single_device(tmp_path):
     assert res.report(0)["losses"] != res.report(2)["losses"], "the two groups should have trained apart"
 
 
-REWRAP = textwrap.dedent("""
-    import torch, torch.nn as nn
-    from labsupport import comm, init, report
-    from labsupport.parallel.ddp import DataParallel
-
-    def hooks(module):
-        return sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
-
-    with init() as rt:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        first = DataParallel(model, bucket_mb=0.00001)   # a cell run once ...
-        second = DataParallel(model, bucket_mb=0.00001)  # ... and again, without closing the first
-        counted = [hooks(model)]
-        comm.reset()
-        second(torch.randn(3, 4)).sum().backward()
-        second.finish_gradient_synchronization()
-        calls = comm.counts()["all_reduce"]["calls"]
-        second.close()
-        first.close()  # already replaced: nothing left to remove
-        counted.append(hooks(model))
-        comm.reset()
-        model(torch.randn(3, 4)).sum().backward()
-        report(hooks=counted, calls=calls, buckets=len(second.buckets), after_close=comm.counts())
-""")
-
-
-def test_wrapping_twice_and_closing_once_leaves_no_hooks(tmp_path):
-    script = tmp_path / "rewrap.py"
-    script.write_text(REWRAP)
-    rep = launch(str(script), nproc=2, timeout=60, run_dir=tmp_path / "run").report(0)
+def test_wrapping_twice_and_closing_once_leaves_no_hooks(checks):
+    rep = checks("rewrap")[0]
     assert rep["hooks"] == [4, 0], "one wrapper's hooks while wrapped, none after close"
     assert rep["calls"] == rep["buckets"] == 4, "every bucket all-reduced once, not twice"
     assert rep["after_close"] == {}, "a closed DataParallel must not communicate"

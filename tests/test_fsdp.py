@@ -12,8 +12,9 @@ from conftest import planted_copy
 from labsupport.launch import launch
 
 RANKS = textwrap.dedent('''
-    """Runs the cases named first on the world, those named second on ranks 1.. only; reports
-    failures, one line each."""
+    """Runs the cases named first on the world, those named second on ranks 1.. only, those named
+    third on the world with the fully_shard of planted_fsdp.py (a copy of fsdp.py with a bug in it);
+    reports failures, one line each, the planted cases' apart."""
     import copy, sys
     import torch, torch.nn as nn, torch.nn.functional as F
     from labsupport import comm, init, report
@@ -73,7 +74,7 @@ RANKS = textwrap.dedent('''
         "tied-one-unit": (Tied, tied_data, lambda m: dict(replicate=[m.head.bias]), 2),
     }
 
-    def run(case, rt, group, failures):
+    def run(case, rt, group, failures, fully_shard=fully_shard):
         build, data, options, accum = CASES[case]
         bf16 = case.endswith("bf16")
         say = lambda message: failures.append(f"{case}: {message}")
@@ -187,47 +188,64 @@ RANKS = textwrap.dedent('''
         if any(u.gathered for u in units):
             say("close() left a unit gathered")
 
-    on_world, on_subgroup = (arg.split(",") if arg != "-" else [] for arg in sys.argv[1:3])
-    failures = []
+    on_world, on_subgroup, planted = (arg.split(",") if arg != "-" else [] for arg in sys.argv[1:4])
+    failures, planted_failures = [], []
     with init(seed=0) as rt:
         for case in on_world:
             run(case, rt, None, failures)
+        for case in planted:
+            from planted_fsdp import fully_shard as planted_fully_shard
+            run(case, rt, None, planted_failures, planted_fully_shard)
         group = comm.new_group(range(1, rt.world_size), "dp")  # every rank calls it
         if rt.rank > 0:  # a group without rank 0: its first rank's values win
             for case in on_subgroup:
                 run(case, rt, group, failures)
-        report(failures=failures)
+        report(failures=failures, planted_failures=planted_failures)
 ''')
 
 ALL = "mlp,mlp-no-prefetch,mlp-replicated,mlp-bf16,mlp-accumulate,tied,tied-one-unit"
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc, on_world, on_subgroup", [
-    (2, ALL, "-"),
+RUNS = {  # ranks: (cases on the world, then on ranks 1.., then on the world with the planted bug)
+    2: (ALL, "-", "mlp"),
     # 3 ranks: padding, pieces cut between ranks, empty pieces; then ranks 1 and 2, a group without rank 0
-    (3, "mlp,mlp-accumulate,tied", "mlp-replicated,tied-one-unit"),
-], ids=["2 ranks", "3 ranks, then a group of 2"])
-def test_fully_shard_matches_single_device_every_step(tmp_path, nproc, on_world, on_subgroup):
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
-    res = launch(str(script), on_world, on_subgroup, nproc=nproc, timeout=180, run_dir=tmp_path / "run")
-    for rank in range(nproc):
-        assert res.report(rank)["failures"] == [], f"rank {rank}"
+    3: ("mlp,mlp-accumulate,tied", "mlp-replicated,tied-one-unit", "-"),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """`ranks(nproc)`: each rank's report of the run on `nproc` ranks, launched once for the module:
+    a launch's start (torchrun and N imports of torch) is paid once for all its cases."""
+    from labsupport.parallel import fsdp
+    runs = {}
+
+    def reports(nproc):
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"ranks{nproc}")
+            planted_copy(fsdp, [('reduce_scatter_tensor(shard, flat, "avg"', 'reduce_scatter_tensor(shard, flat, "sum"')],
+                         folder / "planted_fsdp.py")
+            (folder / "ranks.py").write_text(RANKS)
+            runs[nproc] = launch(str(folder / "ranks.py"), *RUNS[nproc], nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank) for rank in range(nproc)]
+    return reports
 
 
 @pytest.mark.multiprocess
-def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(tmp_path):
+@pytest.mark.parametrize("nproc, on_world, on_subgroup", [(n, *RUNS[n][:2]) for n in RUNS],
+                         ids=["2 ranks", "3 ranks, then a group of 2"])
+def test_fully_shard_matches_single_device_every_step(ranks, nproc, on_world, on_subgroup):
+    for rank, rep in enumerate(ranks(nproc)):
+        assert rep["failures"] == [], f"rank {rank}"
+
+
+@pytest.mark.multiprocess
+def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(ranks):
     """Summing the gradients instead of averaging them barely changes AdamW's steps, and clipping
     hides the scale from the clipped gradients: the norm must catch it, and the gradients on a step
-    that is not clipped."""
-    from labsupport.parallel import fsdp
-    planted_copy(fsdp, [('reduce_scatter_tensor(shard, flat, "avg"', 'reduce_scatter_tensor(shard, flat, "sum"')],
-                 tmp_path / "planted_fsdp.py")
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS.replace("from labsupport.parallel.fsdp import", "from planted_fsdp import"))
-    res = launch(str(script), "mlp", "-", nproc=2, timeout=120, run_dir=tmp_path / "run")
-    failures = res.report(0)["failures"]
+    that is not clipped. (Planted in a copy of fsdp.py that the 2-rank run's planted case uses.)"""
+    failures = ranks(2)[0]["planted_failures"]
     assert any(f.startswith("mlp: step 1: gradient norm") for f in failures), failures
     assert any(f.startswith("mlp: step 0: grad of inp.weight differs") for f in failures), failures
 

@@ -3,6 +3,7 @@ on 2 and 4 stages gives the dense model's loss, every gradient (each stage's par
 embedding's two copies), the global norm, evaluation loss and logits; each stage runs its
 schedule's actions in order; `labsupport train` gives `single`'s losses step by step, for `pp`
 and torch's pipelining (`torch-pp`); bad settings are refused before any rank starts."""
+import json
 import textwrap
 
 import pytest
@@ -17,41 +18,45 @@ from labsupport.model import ModelConfig
 # ---------------------------------------------------------------- library level: the dense model beside the stages
 
 DENSE = textwrap.dedent('''
-    """Each rank builds the dense TinyGPT (8 layers, random biases) and this stage of a copy of it;
+    """Each case builds the dense TinyGPT (8 layers, random biases) and this stage of a copy of it;
     ranks after the first perturb their copy of the tied embedding (the first stage's must win).
-    One step of m micro-batches through the schedule against the dense model's mean loss."""
-    import importlib, math, sys
+    One step of m micro-batches through the schedule against the dense model's mean loss.
+    Every case of this world size runs here, one after the other, each with its own strategy and
+    groups; argv[1] lists them as JSON: (label, strategy or planted module, schedule, chunks, m)."""
+    import importlib, json, sys
     import torch
     from labsupport import comm, init, report
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
-    from labsupport.parallel import ParallelConfig, make_strategy
+    from labsupport.parallel import ParallelConfig, compose, make_strategy
 
-    name, schedule, chunks, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    failures = []
-    with init(seed=0) as rt:
-        cfg = ModelConfig("tiny", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8)
+    cfg = ModelConfig("tiny", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8)
 
-        def build():
-            torch.manual_seed(0)
-            model = TinyGPT(cfg)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() == 1:
-                        p.add_(torch.randn_like(p))
-            return model
 
+    def build():
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p))
+        return model
+
+
+    def check(rt, name, schedule, chunks, m):
+        failures = []
         dense, mine = build(), build()
         if rt.rank > 0:
             with torch.no_grad():
                 mine.tok_emb.weight.add_(1.0)
         config = ParallelConfig.build(rt.world_size, "pp" if name.startswith("planted") else name, pp=rt.world_size,
                                       schedule=schedule, chunks=chunks, microbatches=m)
+        steps = compose.STEPS
         if name.startswith("planted"):  # a copy of pipeline.py with a bug in it: its step in the composition's place
-            from labsupport.parallel import compose
             planted = importlib.import_module(name).PipelineSplit
-            compose.STEPS = tuple(planted if step.__name__ == "PipelineSplit" else step for step in compose.STEPS)
+            compose.STEPS = tuple(planted if step.__name__ == "PipelineSplit" else step for step in steps)
         strategy = make_strategy(rt, config)
         model = strategy.parallelize(mine)
+        compose.STEPS = steps  # the next case composes the real steps
         data = torch.Generator().manual_seed(1)
         x, y = torch.randint(0, 57, (2 * m, 8), generator=data), torch.randint(0, 57, (2 * m, 8), generator=data)
         batches = list(zip(x.chunk(m), y.chunk(m)))
@@ -71,10 +76,8 @@ DENSE = textwrap.dedent('''
         counts = comm.group_counts()
         strategy.finish_backward(model)
         reference = dict(dense.named_parameters())  # the tied matrix once, as tok_emb.weight
-        names = []
         for part in model:
             for pname, p in part.named_parameters():
-                names.append(pname)
                 close(f"grad of {pname}", p.grad, reference[pname.replace("lm_head", "tok_emb")].grad)
         dense_norm = torch.cat([p.grad.flatten() for p in dense.parameters()]).norm()
         close("grad norm", strategy.clip_grad_norm_(model, 1e9), dense_norm)
@@ -84,28 +87,63 @@ DENSE = textwrap.dedent('''
             close("logits", strategy.logits(model, x[:3]), dense(x[:3]))
         state = strategy.model_state(model)
         strategy.load_model_state(model, state)
-        report(failures=failures, events=strategy.events, counts=counts, state=sorted(state),
-               dense_state=sorted(dense.state_dict()))
+        return dict(failures=failures, events=strategy.events, counts=counts, state=sorted(state),
+                    dense_state=sorted(dense.state_dict()))
+
+
+    with init(seed=0) as rt:
+        for label, *case in json.loads(sys.argv[1]):
+            try:
+                report(**{label: check(rt, *case)})
+            except Exception as e:
+                raise RuntimeError(f"case {label!r} failed: {type(e).__name__}: {e}") from e
 ''')
-
-
-def run_dense(tmp_path, nproc, *args, source=DENSE):
-    script = tmp_path / "dense.py"
-    script.write_text(source)
-    res = launch(str(script), *map(str, args), nproc=nproc, timeout=120, run_dir=tmp_path / "run")
-    return [res.report(rank) for rank in range(nproc)]
-
 
 CASES = [  # (stages, schedule, chunks, micro-batches)
     (2, "gpipe", 1, 4), (2, "1f1b", 1, 4), (2, "1f1b", 1, 1), (2, "interleaved", 2, 4),
     (4, "gpipe", 1, 4), (4, "1f1b", 1, 6), (4, "interleaved", 2, 8),
 ]
+TORCH_CASES = [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)]  # on 2 stages
+BUGS = {  # each planted in a copy of pipeline.py: (anchor, replacement, how the failure begins); 1f1b on 2 stages
+    "each micro-batch's loss not divided by m": ("out = loss / m  #", "out = loss  #", "grad of"),
+    "the tied embedding's gradients not summed": ('comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)',
+                                                  "pass", "grad of tok_emb.weight"),
+    "the tied matrix counted twice in the norm": ("if p is not self.tied]", "]", "grad norm"),
+}
+# every case: {label: (ranks, strategy or planted module, schedule, chunks, micro-batches)}
+DENSE_CASES = {
+    **{f"pp {name} on {stages} stages, chunks {chunks}, m {m}": (stages, "pp", name, chunks, m)
+       for stages, name, chunks, m in CASES},
+    **{f"torch-pp {name}, chunks {chunks}, m {m}": (2, "torch-pp", name, chunks, m) for name, chunks, m in TORCH_CASES},
+    **{f"planted: {bug}": (2, f"planted_pp_{i}", "1f1b", 1, 4) for i, bug in enumerate(BUGS)},
+}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """`dense(label)`: the case's report per rank. The first case asked for on N ranks launches every
+    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    from labsupport.parallel import pipeline
+    runs = {}
+
+    def reports(label):
+        nproc = DENSE_CASES[label][0]
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"dense{nproc}")
+            for i, (old, new, _) in enumerate(BUGS.values()):
+                planted_copy(pipeline, [(old, new)], folder / f"planted_pp_{i}.py")
+            (folder / "dense.py").write_text(DENSE)
+            cases = [(label, *case[1:]) for label, case in DENSE_CASES.items() if case[0] == nproc]
+            runs[nproc] = launch(str(folder / "dense.py"), json.dumps(cases), nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
+    return reports
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stages, name, chunks, m", CASES)
-def test_every_schedule_gives_the_dense_models_loss_and_gradients(tmp_path, stages, name, chunks, m):
-    reports = run_dense(tmp_path, stages, "pp", name, chunks, m)
+def test_every_schedule_gives_the_dense_models_loss_and_gradients(dense, stages, name, chunks, m):
+    reports = dense(f"pp {name} on {stages} stages, chunks {chunks}, m {m}")
     actions = schedule(name, stages, m, chunks)
     for rank, rep in enumerate(reports):
         assert rep["failures"] == [], f"rank {rank}"
@@ -126,28 +164,18 @@ def test_every_schedule_gives_the_dense_models_loss_and_gradients(tmp_path, stag
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, chunks, m", [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)])
-def test_torch_pipelining_gives_the_dense_models_loss_and_gradients(tmp_path, name, chunks, m):
-    for rank, rep in enumerate(run_dense(tmp_path, 2, "torch-pp", name, chunks, m)):
+@pytest.mark.parametrize("name, chunks, m", TORCH_CASES)
+def test_torch_pipelining_gives_the_dense_models_loss_and_gradients(dense, name, chunks, m):
+    for rank, rep in enumerate(dense(f"torch-pp {name}, chunks {chunks}, m {m}")):
         assert rep["failures"] == [], f"rank {rank}"
-
-
-BUGS = {
-    "each micro-batch's loss not divided by m": ("out = loss / m  #", "out = loss  #", "grad of"),
-    "the tied embedding's gradients not summed": ('comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)',
-                                                  "pass", "grad of tok_emb.weight"),
-    "the tied matrix counted twice in the norm": ("if p is not self.tied]", "]", "grad norm"),
-}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("bug", BUGS)
-def test_planted_bugs_are_caught(tmp_path, bug):
-    """Each bug is planted in a copy of pipeline.py that the script uses instead of the real one."""
-    from labsupport.parallel import pipeline
-    old, new, expected = BUGS[bug]
-    planted_copy(pipeline, [(old, new)], tmp_path / "planted_pp.py")
-    reports = run_dense(tmp_path, 2, "planted_pp", "1f1b", 1, 4)
+def test_planted_bugs_are_caught(dense, bug):
+    """Each bug is planted in a copy of pipeline.py that its case uses instead of the real one."""
+    reports = dense(f"planted: {bug}")
+    expected = BUGS[bug][2]
     assert any(f.startswith(expected) for rep in reports for f in rep["failures"]), [r["failures"] for r in reports]
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism is proven against the dense model: the same logits, loss and every gradient
 (each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism; the same
 training losses as `single` through `labsupport train`; and bad degrees refused before any start."""
+import json
 import textwrap
 
 import pytest
@@ -15,33 +16,36 @@ pytestmark = pytest.mark.multiprocess
 # ---------------------------------------------------------------- library level: dense and parallel side by side
 
 DENSE = textwrap.dedent('''
-    """Each rank builds the dense TinyGPT (rank 0's weights) and a parallel copy of it cut over the
+    """Each case builds the dense TinyGPT (rank 0's weights) and a parallel copy of it cut over the
     world (each rank its own weights first: the broadcast must replace them by rank 0's). Forward and backward on the same
     batch; the parallel logits gathered, the loss and every gradient (this rank's slice of the
-    dense one) must agree to 1e-5 relative; comm counts each phase per rank."""
-    import sys
+    dense one) must agree to 1e-5 relative; comm counts each phase per rank.
+    Every case of this world size runs here, one after the other; argv[1] lists them as JSON:
+    (label, the tensor-parallel module: ours or a planted copy, "sp" for sequence parallelism or "-")."""
+    import importlib, json, sys
     import torch
     from labsupport import comm, init, report
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
-    from labsupport.parallel import tensor as tp
 
-    sequence_parallel = sys.argv[1] == "sp"
-    failures, counts = [], {}
-    with init(seed=0) as rt:
-        cfg = ModelConfig("tiny", n_layers=2, hidden=32, heads=4, vocab=57, seq_len=8)
+    cfg = ModelConfig("tiny", n_layers=2, hidden=32, heads=4, vocab=57, seq_len=8)
 
-        def build(seed):  # TinyGPT starts with zero biases and unit LayerNorms: too kind a trap
-            torch.manual_seed(seed)
-            model = TinyGPT(cfg)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if p.dim() == 1:
-                        p.add_(torch.randn_like(p))
-            return model
 
+    def build(seed):  # TinyGPT starts with zero biases and unit LayerNorms: too kind a trap
+        torch.manual_seed(seed)
+        model = TinyGPT(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p))
+        return model
+
+
+    def check(rt, module, mode):
+        tp = importlib.import_module(module)
+        failures, counts = [], {}
         dense = build(0)
         # rank 0's weights are the dense model's; the others' differ until the broadcast
-        model = tp.apply_tensor_parallel(build(rt.rank), None, sequence_parallel=sequence_parallel)
+        model = tp.apply_tensor_parallel(build(rt.rank), None, sequence_parallel=mode == "sp")
         data = torch.Generator().manual_seed(1)
         x, y = torch.randint(0, 57, (3, 8), generator=data), torch.randint(0, 57, (3, 8), generator=data)
 
@@ -74,28 +78,17 @@ DENSE = textwrap.dedent('''
                 if mine != full:  # the dimension this parameter is cut along: this rank's slice
                     want = want.chunk(rt.world_size, dim=dim)[rt.rank]
             close(f"grad of {name}", p.grad, want)
-        report(failures=failures, counts=counts, names=sorted(n for n, _ in model.named_parameters()),
-               dense_names=sorted(reference))
+        return dict(failures=failures, counts=counts, names=sorted(n for n, _ in model.named_parameters()),
+                    dense_names=sorted(reference))
+
+
+    with init(seed=0) as rt:
+        for label, module, mode in json.loads(sys.argv[1]):
+            try:
+                report(**{label: check(rt, module, mode)})
+            except Exception as e:
+                raise RuntimeError(f"case {label!r} failed: {type(e).__name__}: {e}") from e
 ''')
-
-
-def run_dense(tmp_path, nproc, mode, source=DENSE):
-    script = tmp_path / "dense.py"
-    script.write_text(source)
-    res = launch(str(script), mode, nproc=nproc, timeout=120, run_dir=tmp_path / "run")
-    return [res.report(rank) for rank in range(nproc)]
-
-
-@pytest.mark.parametrize("nproc, mode", [(2, "-"), (2, "sp"), (4, "-"), (4, "sp")])
-def test_logits_loss_and_every_gradient_match_the_dense_model(tmp_path, nproc, mode):
-    reports = run_dense(tmp_path, nproc, mode)
-    predicted = tp_comm(n_layers=2, hidden=32, seq_len=8, micro_batch=3, sequence_parallel=mode == "sp")
-    for rank, rep in enumerate(reports):
-        assert rep["failures"] == [], f"rank {rank}"
-        assert rep["names"] == rep["dense_names"], "the parallel model keeps the dense parameter names"
-        for phase in ("forward", "backward", "finish"):  # what comm counted against estimate/tp_comm.py
-            assert rep["counts"][phase] == total({phase: predicted.get(phase, {})}, nproc), (rank, phase)
-
 
 BUGS = {
     "the row-parallel bias added before the all-reduce (T times)": (
@@ -113,16 +106,51 @@ BUGS = {
           "grad_x = _shard(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group)")],
         "sp", "grad of"),
 }
+MODES = [(2, "-"), (2, "sp"), (4, "-"), (4, "sp")]
+# every case: {label: (ranks, the tensor-parallel module, mode)}; each bug planted in a copy of tensor.py, on 2 ranks
+CASES = {
+    **{f"{nproc} ranks, {mode}": (nproc, "labsupport.parallel.tensor", mode) for nproc, mode in MODES},
+    **{f"planted: {bug}": (2, f"planted_tp_{i}", mode) for i, (bug, (_, mode, _)) in enumerate(BUGS.items())},
+}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """`dense(label)`: the case's report per rank. The first case asked for on N ranks launches every
+    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    from labsupport.parallel import tensor
+    runs = {}
+
+    def reports(label):
+        nproc = CASES[label][0]
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"dense{nproc}")
+            for i, (replacements, _, _) in enumerate(BUGS.values()):
+                planted_copy(tensor, replacements, folder / f"planted_tp_{i}.py")
+            (folder / "dense.py").write_text(DENSE)
+            cases = [(label, *case[1:]) for label, case in CASES.items() if case[0] == nproc]
+            runs[nproc] = launch(str(folder / "dense.py"), json.dumps(cases), nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
+    return reports
+
+
+@pytest.mark.parametrize("nproc, mode", MODES)
+def test_logits_loss_and_every_gradient_match_the_dense_model(dense, nproc, mode):
+    reports = dense(f"{nproc} ranks, {mode}")
+    predicted = tp_comm(n_layers=2, hidden=32, seq_len=8, micro_batch=3, sequence_parallel=mode == "sp")
+    for rank, rep in enumerate(reports):
+        assert rep["failures"] == [], f"rank {rank}"
+        assert rep["names"] == rep["dense_names"], "the parallel model keeps the dense parameter names"
+        for phase in ("forward", "backward", "finish"):  # what comm counted against estimate/tp_comm.py
+            assert rep["counts"][phase] == total({phase: predicted.get(phase, {})}, nproc), (rank, phase)
 
 
 @pytest.mark.parametrize("bug", BUGS)
-def test_planted_bugs_are_caught(tmp_path, bug):
-    """Each bug is planted in a copy of tensor.py that the script imports instead of the real one."""
-    from labsupport.parallel import tensor
-    replacements, mode, expected = BUGS[bug]
-    planted_copy(tensor, replacements, tmp_path / "planted_tp.py")
-    reports = run_dense(tmp_path, 2, mode, DENSE.replace("from labsupport.parallel import tensor as tp",
-                                                         "import planted_tp as tp"))
+def test_planted_bugs_are_caught(dense, bug):
+    """Each bug is planted in a copy of tensor.py that its case imports instead of the real one."""
+    expected = BUGS[bug][2]
+    reports = dense(f"planted: {bug}")
     assert any(f.startswith(expected) for f in reports[0]["failures"]), reports[0]["failures"]
 
 

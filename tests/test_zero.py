@@ -1,6 +1,7 @@
 """ZeRO-1/2/3 are proven like DDP: same global batch and seed, same gradients, losses and parameters
 as `single`; and they are what they claim: 1/N of the optimizer states, gradients, parameters per
 rank, for the traffic the paper says."""
+import json
 import textwrap
 
 import pytest
@@ -15,23 +16,27 @@ pytestmark = pytest.mark.multiprocess
 
 # ---------------------------------------------------------------- library level: a tiny model, every step compared
 
-TINY = textwrap.dedent('''
-    """Each rank trains the strategy's model on its share and, beside it, the single-device
-    reference on the whole global batch. Before the step, this rank's gradient pieces must equal
-    the matching slices of the reference's gradients, and the global norm the reference's norm;
-    after the last step (the strategy lets go: ZeRO-3 gathers) the parameters must agree.
-    hidden 2 and 1-element buckets: tensors with fewer elements than ranks."""
-    import sys
+CHECKS = textwrap.dedent('''
+    """Every case of this world size, one after the other, each with its own strategy and groups;
+    argv[1] lists them as JSON: (label, check, its arguments). Reports {label: what it found}."""
+    import json, sys
     import torch
-    from labsupport import init, report
+    from labsupport import comm, init, report
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
     from labsupport.parallel import ParallelConfig, make_strategy
     from labsupport.parallel.clip import clip_grad_norm_
     from labsupport.parallel.optim import adamw
+    from labsupport.parallel.zero import Partition, ShardedOptimizer
 
-    stage, accum, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "prefetch"
-    failures = []
-    with init(seed=0) as rt:
+
+    def tiny_model(rt, stage, accum, prefetch, planted_sum):
+        """Each rank trains the strategy's model on its share and, beside it, the single-device
+        reference on the whole global batch. Before the step, this rank's gradient pieces must equal
+        the matching slices of the reference's gradients, and the global norm the reference's norm;
+        after the last step (the strategy lets go: ZeRO-3 gathers) the parameters must agree.
+        hidden 2 and 1-element buckets: tensors with fewer elements than ranks. `planted_sum`: the
+        reduce-scatter sums instead of averaging, for this case only."""
+        failures = []
         cfg = ModelConfig("tiny", n_layers=2, hidden=2, heads=1, vocab=5, seq_len=4)
         strategy = make_strategy(rt, ParallelConfig.build(rt.world_size, stage, bucket_mb=1e-6,  # a bucket per tensor
                                                           prefetch=prefetch))
@@ -58,6 +63,9 @@ TINY = textwrap.dedent('''
                 for part, p, lo, hi, at, piece in opt._pieces:
                     yield names[id(p)], lo, hi, piece.grad
 
+        reduce_scatter = comm.reduce_scatter_tensor
+        if planted_sum:
+            comm.reduce_scatter_tensor = lambda out, inp, op, **kw: reduce_scatter(out, inp, "sum", **kw)
         n, per = rt.world_size, 2 * accum
         data = torch.Generator().manual_seed(1)
         for step in range(5):
@@ -85,47 +93,19 @@ TINY = textwrap.dedent('''
                     if not torch.allclose(p, ref_params[name], atol=1e-6, rtol=1e-5):
                         failures.append(f"step {step}: {name} differs by {(p - ref_params[name]).abs().max().item():.2e}")
         strategy.close(model)
+        comm.reduce_scatter_tensor = reduce_scatter
         for name, p in bare.named_parameters():
             if p.shape != ref_params[name].shape or not torch.allclose(p, ref_params[name], atol=1e-6, rtol=1e-5):
                 failures.append(f"after training: {name} differs")
         if stage == "zero3" and set(in_flight) != {prefetch}:
             failures.append(f"prefetch {prefetch}, but block 1 in flight during block 0: {set(in_flight)}")
-        report(failures=failures, owned=sum(hi - lo for _, lo, hi, _ in pieces()) if stage != "zero3" else None)
-''')
+        return dict(failures=failures, owned=sum(hi - lo for _, lo, hi, _ in pieces()) if stage != "zero3" else None)
 
 
-@pytest.mark.parametrize("stage, nproc, accum, prefetch", [
-    ("zero1", 4, 1, "-"), ("zero2", 4, 2, "-"), ("zero3", 4, 1, "prefetch"), ("zero3", 3, 2, "no-prefetch")])
-def test_tiny_model_gradients_match_single_device_every_step(tmp_path, stage, nproc, accum, prefetch):
-    script = tmp_path / "tiny.py"
-    script.write_text(TINY)
-    res = launch(str(script), stage, accum, prefetch, nproc=nproc, timeout=120, run_dir=tmp_path / "run")
-    for rank in range(nproc):
-        assert res.report(rank)["failures"] == [], f"rank {rank}"
-
-
-def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(tmp_path):
-    """Summing the gradients' shards instead of averaging them leaves AdamW's steps almost
-    unchanged, and clipping to a norm hides the scale from the clipped gradients: the norm
-    comparison must catch it (and the gradients, once a step's norm is under the limit)."""
-    script = tmp_path / "tiny.py"
-    script.write_text(TINY.replace("from labsupport import init, report", textwrap.dedent("""
-        from labsupport import init, report, comm
-        _reduce_scatter = comm.reduce_scatter_tensor
-        comm.reduce_scatter_tensor = lambda out, inp, op, **kw: _reduce_scatter(out, inp, "sum", **kw)""")))
-    res = launch(str(script), "zero3", 1, "prefetch", nproc=2, timeout=120, run_dir=tmp_path / "run")
-    failures = res.report(0)["failures"]
-    assert any(f.startswith("step 0: norm") for f in failures) and any(": grad of" in f for f in failures), failures
-
-
-SHARDING = textwrap.dedent('''
-    """5 elements (a 3-element and a 2-element parameter) on 4 ranks: padded to 8, two per rank,
-    the last rank all padding; ranks hold disjoint pieces that cover every element once, and the
-    optimizer holds moments for its pieces only."""
-    import torch
-    from labsupport import init, report
-    from labsupport.parallel.zero import Partition, ShardedOptimizer
-    with init(seed=0) as rt:
+    def sharding(rt):
+        """5 elements (a 3-element and a 2-element parameter) on 4 ranks: padded to 8, two per rank,
+        the last rank all padding; ranks hold disjoint pieces that cover every element once, and the
+        optimizer holds moments for its pieces only."""
         a, b = torch.nn.Parameter(torch.arange(3.0)), torch.nn.Parameter(torch.ones(2, 1))
         part = Partition([a, b], None)
         opt = ShardedOptimizer([a, b], torch.optim.AdamW, None, lr=0.1)
@@ -133,18 +113,66 @@ SHARDING = textwrap.dedent('''
             p.grad = torch.ones_like(p)
         opt.shard_gradients()
         opt.step()
-        report(padded=part.padded, shard=part.shard_size,
-               pieces=[(["a", "b"][p is b], lo, hi, at) for p, lo, hi, at in part.pieces()],
-               moments=sum(s["exp_avg"].numel() for s in opt.state.values()),
-               a=a.tolist(), b=b.flatten().tolist())
+        return dict(padded=part.padded, shard=part.shard_size,
+                    pieces=[(["a", "b"][p is b], lo, hi, at) for p, lo, hi, at in part.pieces()],
+                    moments=sum(s["exp_avg"].numel() for s in opt.state.values()),
+                    a=a.tolist(), b=b.flatten().tolist())
+
+
+    with init(seed=0) as rt:
+        for label, check, *args in json.loads(sys.argv[1]):
+            try:
+                report(**{label: {"tiny_model": tiny_model, "sharding": sharding}[check](rt, *args)})
+            except Exception as e:
+                raise RuntimeError(f"case {label!r} failed: {type(e).__name__}: {e}") from e
 ''')
 
+TINY_CASES = [("zero1", 4, 1, "-"), ("zero2", 4, 2, "-"), ("zero3", 4, 1, "prefetch"), ("zero3", 3, 2, "no-prefetch")]
+PLANTED_SUM = "planted: sum instead of average in the reduce-scatter"
+# every case: {label: (ranks, check, its arguments)}
+CASES = {
+    **{f"{stage} on {nproc} ranks, {accum} micro-batch(es), {prefetch}": (nproc, "tiny_model", stage, accum,
+                                                                         prefetch == "prefetch", False)
+       for stage, nproc, accum, prefetch in TINY_CASES},
+    PLANTED_SUM: (2, "tiny_model", "zero3", 1, True, True),
+    "sharding": (4, "sharding"),
+}
 
-def test_a_tensor_smaller_than_the_group_is_padded_and_every_element_owned_once(tmp_path):
-    script = tmp_path / "sharding.py"
-    script.write_text(SHARDING)
-    res = launch(str(script), nproc=4, timeout=60, run_dir=tmp_path / "run")
-    reports = [res.report(r) for r in range(4)]
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """`checks(label)`: the case's report per rank. The first case asked for on N ranks launches every
+    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    runs = {}
+
+    def reports(label):
+        nproc = CASES[label][0]
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"checks{nproc}")
+            (folder / "checks.py").write_text(CHECKS)
+            cases = [(label, *case[1:]) for label, case in CASES.items() if case[0] == nproc]
+            runs[nproc] = launch(str(folder / "checks.py"), json.dumps(cases), nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
+    return reports
+
+
+@pytest.mark.parametrize("stage, nproc, accum, prefetch", TINY_CASES)
+def test_tiny_model_gradients_match_single_device_every_step(checks, stage, nproc, accum, prefetch):
+    for rank, rep in enumerate(checks(f"{stage} on {nproc} ranks, {accum} micro-batch(es), {prefetch}")):
+        assert rep["failures"] == [], f"rank {rank}"
+
+
+def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(checks):
+    """Summing the gradients' shards instead of averaging them leaves AdamW's steps almost
+    unchanged, and clipping to a norm hides the scale from the clipped gradients: the norm
+    comparison must catch it (and the gradients, once a step's norm is under the limit)."""
+    failures = checks(PLANTED_SUM)[0]["failures"]
+    assert any(f.startswith("step 0: norm") for f in failures) and any(": grad of" in f for f in failures), failures
+
+
+def test_a_tensor_smaller_than_the_group_is_padded_and_every_element_owned_once(checks):
+    reports = checks("sharding")
     assert {(r["padded"], r["shard"]) for r in reports} == {(8, 2)}  # 5 elements -> 8
     owned = sorted((name, i) for r in reports for name, lo, hi, _ in r["pieces"] for i in range(lo, hi))
     assert owned == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
