@@ -180,6 +180,15 @@ def _launch_lines(lines: list[str], command: list[str], width: int = 96) -> str:
     return " \\\n    ".join(lines)
 
 
+def _node_check(nodes: int, gpus_per_node: int, override: str) -> str:
+    """The script's check that it got the nodes it was written (and its training arguments checked) for."""
+    return f"""\
+# Options on the command line override the lines above (`{override} FILE`): the training
+# arguments were checked for {nodes} node(s) x {gpus_per_node} GPU(s), so stop if the job got another count.
+[ "$NNODES" -eq {nodes} ] || {{ echo "this script was written for {nodes} node(s) and the job got $NNODES:" \\
+    "submit it as it is, or write it again with labsupport jobscript --nodes $NNODES" >&2; exit 1; }}"""
+
+
 # Where the ranks meet, as the job script explains it.
 HEAD_NOTE = {
     "torchrun": "# The rendezvous runs on the first node of the allocation (where this script runs, too).\n"
@@ -273,6 +282,7 @@ set -eu
 : "${{SLURM_JOB_ID:?run this script with sbatch, not bash}}"
 
 NNODES=$SLURM_JOB_NUM_NODES
+{_node_check(nodes, gpus_per_node, "sbatch --nodes=1")}
 GPUS_PER_NODE={gpus_per_node}
 {f"CPUS_PER_GPU={cpus_per_gpu}" if srun else f"CPUS_PER_NODE={cpus}"}
 JOB_ID=$SLURM_JOB_ID
@@ -325,6 +335,7 @@ cd "$PBS_O_WORKDIR"  # PBS starts jobs in $HOME; work where qsub was run
 
 # $PBS_NODEFILE lists the job's nodes, first node first (a node may appear once per MPI slot).
 NNODES=$(sort -u "$PBS_NODEFILE" | wc -l)
+{_node_check(nodes, gpus_per_node, "qsub -l select=1:...")}
 GPUS_PER_NODE={gpus_per_node}
 JOB_ID=${{PBS_JOBID%%.*}}
 {HEAD_NOTE[launcher]}
@@ -376,7 +387,9 @@ mkdir -p "$LABSUPPORT_RUN_DIR"
 # export NCCL_DEBUG=INFO            # NCCL then logs the interface and transport it picked
 
 {_frontier_lines(ofi_plugin) if frontier else ""}{command_environment}{masters}\
-echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR"
+# Which python the ranks will run: the one the environment above puts first on PATH.
+echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR," \\
+    "python $(command -v {shlex.quote(python)} || echo {shlex.quote(python)} not found)"
 
 {launch_why}
 {torchrun_note}{_launch_lines(lines, rank_words)}
