@@ -39,6 +39,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -164,6 +165,9 @@ ReturnToService=2
 # A cancelled task gets SIGTERM, then SIGKILL after KillWait seconds (centers: 30).
 KillWait=5
 MinJobAge=300
+# Refuse at submission a job the partition can never run (more nodes than it has), as centers do;
+# Slurm's default queues it, pending for ever.
+EnforcePartLimits=ALL
 {nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -342,6 +346,17 @@ def running(directory: Path):
     finally:
         cluster.down()
         atexit.unregister(cluster.down)
+
+
+@contextlib.contextmanager
+def available(directory: Path = DEFAULT_DIR):
+    """The cluster `make cluster` started in `directory` while it is up, else one for the `with` block."""
+    cluster = load(directory)
+    if cluster is not None and cluster.pids and all(_alive(pid) for pid in cluster.pids.values()):
+        yield cluster
+        return
+    with tempfile.TemporaryDirectory(prefix="labsupport-cluster-") as tmp, running(Path(tmp)) as cluster:
+        yield cluster
 
 
 def main(argv=None) -> int:

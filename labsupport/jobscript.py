@@ -15,9 +15,10 @@ us N nodes and the job script has to start the same ranks on all of them. Two wa
   (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), which `runtime` reads; the script exports
   MASTER_ADDR (the first node) and MASTER_PORT for all of them.
 
-torchrun per node is the default because the per-node command is the same on both schedulers,
-torchrun sets every variable a rank needs, and the test suite runs exactly that per-node command
-on two network namespaces (tests/test_jobscript.py), so what the script launches is what was tested.
+torchrun per node is the default because the per-node command is the same on both schedulers and
+torchrun sets every variable a rank needs. The test suite submits the Slurm scripts of both
+launchers with sbatch to a two-node Slurm on one machine (labsupport/cluster.py,
+tests/test_slurm_cluster.py), so what the script launches is what was tested.
 
 Only the job script knows multi-node addresses; single-node runs keep binding to 127.0.0.1.
 """

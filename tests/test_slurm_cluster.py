@@ -216,7 +216,7 @@ def test_scancel_ends_every_rank_on_both_nodes(cluster, tmp_path):
 def test_more_nodes_than_exist_are_refused(cluster, tmp_path):
     script = write(tmp_path, activated(jobscript("--nodes", NODES + 1, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1,
                                                  "--", "python", "-m", "labsupport.runtime")))
-    with pytest.raises(slurm.ClusterError, match="Requested node configuration is not available"):
+    with pytest.raises(slurm.ClusterError, match="Node count specification invalid"):
         cluster.submit(script, env=submit_env())
     # sbatch's own --nodes overrides the script's: Slurm runs it, the script's check stops it
     script = write(tmp_path, activated(jobscript("--nodes", NODES, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1,
