@@ -43,11 +43,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launch import descendants, free_port, kill_pids
+from .launch import _alive, descendants, free_port, kill_pids
 
 # Where `make cluster` keeps the instructor's cluster; notebooks look for one there.
 DEFAULT_DIR = Path("/tmp/labsupport-cluster")
 NODES = 2
+PARTITION = "debug"
 GPUS_PER_NODE = 2   # a count for the scheduler only: there are no devices behind it
 CPUS_PER_NODE = 16  # declared, not real: enough for the scripts' 7 cores per GPU
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")  # job states before the end
@@ -98,7 +99,6 @@ class Cluster:
         self.bridge = f"lsbr{tag}"
         self.nodes = [{"name": f"ls{tag}-n{i}", "ns": f"ls{tag}-n{i}", "veth": f"ls{tag}n{i}",
                        "addr": f"{subnet}.{i}"} for i in range(1, NODES + 1)]
-        self.partition = "debug"
 
     @property
     def env(self) -> dict:
@@ -168,7 +168,7 @@ MinJobAge=300
 # Refuse at submission a job the partition can never run (more nodes than it has), as centers do;
 # Slurm's default queues it, pending for ever.
 EnforcePartLimits=ALL
-{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
     # ------------------------------------------------------------ start and stop
@@ -232,7 +232,7 @@ EnforcePartLimits=ALL
     def down(self) -> None:
         """Cancel every job, kill everything on the nodes and the daemons, remove the network. Idempotent."""
         if self.pids.get("slurmctld") and _alive(self.pids["slurmctld"]):
-            self.command("scancel", "--full", f"--partition={self.partition}", check=False)
+            self.command("scancel", "--full", f"--partition={PARTITION}", check=False)
         pids = []
         for n in self.nodes:  # everything that ever ran on a node lives in its network namespace
             res = _run("ip", "netns", "pids", n["ns"], check=False)
@@ -286,13 +286,6 @@ EnforcePartLimits=ALL
         """sinfo's view of the nodes, and the queue."""
         return (self.command("sinfo", "-N", "-o", "%N %t %c %G").stdout +
                 self.command("squeue", "-o", "%i %j %T %D %R").stdout)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _ours(pid: int, directory: Path, tag: int) -> bool:
@@ -374,7 +367,7 @@ def main(argv=None) -> int:
             cluster = start(args.dir)
             nodes = ", ".join(f"{n['name']} ({n['addr']})" for n in cluster.nodes)
             print(f"cluster up in {time.monotonic() - t0:.1f} s: nodes {nodes}, controller port {cluster.port}\n"
-                  f"submit to it from this machine:\n"
+                  f"submit to it from this machine, in a shell with the venv activated (sbatch passes it on):\n"
                   f"  export SLURM_CONF={cluster.conf} LABSUPPORT_DEVICE=cpu\n"
                   f"  labsupport jobscript --scheduler slurm --nodes 2 --gpus-per-node 2 --cpus-per-gpu 1 "
                   f"--output job.sh -- labsupport train --strategy ddp --model nano --steps 5\n"
