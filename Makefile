@@ -46,7 +46,7 @@ TEST_WORKERS ?= 2
 # Headless pytest processes fall back to Agg on their own.
 RUN_ENV := LABSUPPORT_RUNS="$(RUNS)"
 
-.PHONY: help venv browser test gpu-check lab lab-copy lab-fresh notebooks clean distclean
+.PHONY: help venv browser slurm cluster cluster-down test gpu-check lab lab-copy lab-fresh notebooks clean distclean
 
 help:
 	@echo "labsupport workbook"
@@ -59,6 +59,8 @@ help:
 	@echo "  make notebooks  re-execute every notebook in place and store its outputs"
 	@echo "  make venv       create .venv: $(TORCH_PIN) first, DeepSpeed built against it, then the package with [lab] and [dev]"
 	@echo "  make browser    make sure Chromium is there for the browser tests (apt-get, as root)"
+	@echo "  make slurm      make sure Slurm and munge are there for the cluster tests (apt-get, as root)"
+	@echo "  make cluster    start a two-node Slurm on this machine to submit job scripts to (root); make cluster-down stops it"
 	@echo "  make clean      remove runs/ and caches (keeps .venv)"
 	@echo "  make distclean  clean, and remove .venv too (never $(WORK)/)"
 
@@ -99,7 +101,30 @@ browser:
 		echo "browser: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get); browser tests will be skipped"; \
 	fi
 
-test: $(DEV_STAMP) browser
+# Never fails: without Slurm the cluster tests (tests/test_slurm_cluster.py) skip themselves.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+		&& command -v munged >/dev/null; then \
+		echo "slurm: slurmctld, slurmd, sbatch and munged are there"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "slurm: installing $(SLURM_PACKAGES) with apt-get"; \
+		if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PACKAGES); }; then \
+			echo "slurm: apt-get could not install Slurm; the cluster tests will be skipped"; \
+		fi; \
+	else \
+		echo "slurm: Slurm is missing and cannot be installed here (needs root and apt-get); the cluster tests will be skipped"; \
+	fi
+
+# A two-node Slurm on this machine for trying the job scripts (root; labsupport/cluster.py).
+CLUSTER_DIR ?= /tmp/labsupport-cluster
+cluster: $(LAB_STAMP) slurm
+	$(VPY) -m labsupport.cluster up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	$(VPY) -m labsupport.cluster down --dir $(CLUSTER_DIR)
+
+test: $(DEV_STAMP) browser slurm
 	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \

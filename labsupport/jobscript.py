@@ -15,9 +15,10 @@ us N nodes and the job script has to start the same ranks on all of them. Two wa
   (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), which `runtime` reads; the script exports
   MASTER_ADDR (the first node) and MASTER_PORT for all of them.
 
-torchrun per node is the default because the per-node command is the same on both schedulers,
-torchrun sets every variable a rank needs, and the test suite runs exactly that per-node command
-on two network namespaces (tests/test_jobscript.py), so what the script launches is what was tested.
+torchrun per node is the default because the per-node command is the same on both schedulers and
+torchrun sets every variable a rank needs. The test suite submits the Slurm scripts of both
+launchers with sbatch to a two-node Slurm on one machine (labsupport/cluster.py,
+tests/test_slurm_cluster.py), so what the script launches is what was tested.
 
 Only the job script knows multi-node addresses; single-node runs keep binding to 127.0.0.1.
 """
@@ -180,6 +181,15 @@ def _launch_lines(lines: list[str], command: list[str], width: int = 96) -> str:
     return " \\\n    ".join(lines)
 
 
+def _node_check(nodes: int, gpus_per_node: int, override: str) -> str:
+    """The script's check that it got the nodes it was written (and its training arguments checked) for."""
+    return f"""\
+# Options on the command line override the lines above (`{override} FILE`): the training
+# arguments were checked for {nodes} node(s) x {gpus_per_node} GPU(s), so stop if the job got another count.
+[ "$NNODES" -eq {nodes} ] || {{ echo "this script was written for {nodes} node(s) and the job got $NNODES:" \\
+    "submit it as it is, or write it again with labsupport jobscript --nodes $NNODES" >&2; exit 1; }}"""
+
+
 # Where the ranks meet, as the job script explains it.
 HEAD_NOTE = {
     "torchrun": "# The rendezvous runs on the first node of the allocation (where this script runs, too).\n"
@@ -273,6 +283,7 @@ set -eu
 : "${{SLURM_JOB_ID:?run this script with sbatch, not bash}}"
 
 NNODES=$SLURM_JOB_NUM_NODES
+{_node_check(nodes, gpus_per_node, "sbatch --nodes=1")}
 GPUS_PER_NODE={gpus_per_node}
 {f"CPUS_PER_GPU={cpus_per_gpu}" if srun else f"CPUS_PER_NODE={cpus}"}
 JOB_ID=$SLURM_JOB_ID
@@ -325,6 +336,7 @@ cd "$PBS_O_WORKDIR"  # PBS starts jobs in $HOME; work where qsub was run
 
 # $PBS_NODEFILE lists the job's nodes, first node first (a node may appear once per MPI slot).
 NNODES=$(sort -u "$PBS_NODEFILE" | wc -l)
+{_node_check(nodes, gpus_per_node, "qsub -l select=1:...")}
 GPUS_PER_NODE={gpus_per_node}
 JOB_ID=${{PBS_JOBID%%.*}}
 {HEAD_NOTE[launcher]}
@@ -376,7 +388,9 @@ mkdir -p "$LABSUPPORT_RUN_DIR"
 # export NCCL_DEBUG=INFO            # NCCL then logs the interface and transport it picked
 
 {_frontier_lines(ofi_plugin) if frontier else ""}{command_environment}{masters}\
-echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR"
+# Which python the ranks will run: the one the environment above puts first on PATH.
+echo "$(date): $NNODES node(s) x $GPUS_PER_NODE GPU(s), {meeting} at $HEAD_NODE:$PORT, run directory $LABSUPPORT_RUN_DIR," \\
+    "python $(command -v {shlex.quote(python)} || echo {shlex.quote(python)} not found)"
 
 {launch_why}
 {torchrun_note}{_launch_lines(lines, rank_words)}
