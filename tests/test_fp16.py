@@ -97,13 +97,15 @@ def test_an_fp16_run_resumes_with_its_loss_scale(tmp_path):
 
 SCALER = textwrap.dedent('''
     """Two ranks, an inf in rank 1's gradient only: both must skip, halve the scale and keep their
-    weights; a clean step after it updates both."""
-    import importlib, sys
+    weights; a clean step after it updates both. One case per module argv[1] lists (JSON), each
+    with its own model and LossScaler, reported under the module's name."""
+    import importlib, json, sys
     import torch
     from labsupport import init, report
-    LossScaler = importlib.import_module(sys.argv[1]).LossScaler
 
-    with init(seed=0) as rt:
+
+    def case(rt, module):
+        LossScaler = importlib.import_module(module).LossScaler
         model = torch.nn.Linear(4, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = LossScaler(torch.device("cpu"), init_scale=1024.0)
@@ -118,29 +120,38 @@ SCALER = textwrap.dedent('''
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             seen.append([scaler.skipped, scaler.get_scale(), not torch.equal(before, model.weight)])
-        report(seen=seen)
+        return seen
+
+
+    with init(seed=0) as rt:
+        for module in json.loads(sys.argv[1]):
+            report(**{module: case(rt, module)})
 ''')
 
 
-def run_scaler_script(tmp_path, module="labsupport.parallel.loss_scale") -> list:
-    script = tmp_path / "scaler.py"
-    script.write_text(SCALER)
-    res = launch(str(script), module, nproc=2, timeout=120, run_dir=tmp_path / "run")
-    return [res.report(r)["seen"] for r in range(2)]
+@pytest.fixture(scope="module")
+def scaler_seen(tmp_path_factory):
+    """`scaler_seen(module)`: each rank's (skipped, scale, updated) per step with `module`'s LossScaler.
+    The real module and a planted copy (the inf not combined across ranks) run in one launch."""
+    folder = tmp_path_factory.mktemp("scaler")
+    planted_copy(loss_scale, [('comm.all_reduce(found, "max", group=self.group)', "pass")],
+                 folder / "planted_loss_scale.py")
+    (folder / "scaler.py").write_text(SCALER)
+    modules = ["labsupport.parallel.loss_scale", "planted_loss_scale"]
+    res = launch(str(folder / "scaler.py"), json.dumps(modules), nproc=2, timeout=120, run_dir=folder / "run")
+    return lambda module: [res.report(r)[module] for r in range(2)]
 
 
 @pytest.mark.multiprocess
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    for rank, seen in enumerate(run_scaler_script(tmp_path)):
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(scaler_seen):
+    for rank, seen in enumerate(scaler_seen("labsupport.parallel.loss_scale")):
         assert seen == [[True, 512.0, False], [False, 512.0, True]], f"rank {rank}: (skipped, scale, updated) {seen}"
 
 
 @pytest.mark.multiprocess
-def test_planted_found_inf_not_combined_across_ranks_fails(tmp_path):
+def test_planted_found_inf_not_combined_across_ranks_fails(scaler_seen):
     """GradScaler alone: rank 0 sees no inf, steps and keeps its scale while rank 1 skips."""
-    planted_copy(loss_scale, [('comm.all_reduce(found, "max", group=self.group)', "pass")],
-                 tmp_path / "planted_loss_scale.py")
-    seen = run_scaler_script(tmp_path, "planted_loss_scale")
+    seen = scaler_seen("planted_loss_scale")
     assert seen[0][0] != seen[1][0], "without the all-reduce the ranks must disagree (is the anchor still the combine?)"
     with pytest.raises(AssertionError):
         assert seen[0] == [[True, 512.0, False], [False, 512.0, True]]
