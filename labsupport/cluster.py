@@ -264,17 +264,23 @@ EnforcePartLimits=ALL
                       .stdout.split() if "=" in word)
         return fields["JobState"], fields["ExitCode"]
 
-    def wait(self, job_id: str, log: Path | None = None, out=None, timeout_s: float = 120.0) -> tuple[str, str]:
-        """Wait for the job to end, writing its `log` to `out` (a file, e.g. sys.stdout) as it grows;
+    def wait(self, job_id: str, log: Path | None = None, out=None, timeout_s: float = 120.0,
+             shown_as: dict | None = None) -> tuple[str, str]:
+        """Wait for the job to end, writing its `log` to `out` (a file, e.g. sys.stdout) line by line as it
+        grows, each path in `shown_as` written as its short name (a notebook stores no absolute path);
         returns `state()`'s answer. On timeout, cancels the job and raises ClusterError."""
         deadline, shown = time.monotonic() + timeout_s, 0
         while True:
             state, exit_code = self.state(job_id)
             if out is not None and log is not None and Path(log).exists():
                 text = Path(log).read_text(errors="replace")
-                out.write(text[shown:])
+                end = len(text) if state not in ACTIVE else text.rfind("\n") + 1  # whole lines until the end
+                new = text[shown:end]
+                for path, name in (shown_as or {}).items():
+                    new = new.replace(str(path), name)
+                out.write(new)
                 out.flush()
-                shown = len(text)
+                shown = max(shown, end)
             if state not in ACTIVE:  # read after the job ended: the log is complete
                 return state, exit_code
             if time.monotonic() > deadline:

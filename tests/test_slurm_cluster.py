@@ -225,3 +225,22 @@ def test_more_nodes_than_exist_are_refused(cluster, tmp_path):
     state, _ = cluster.wait(job_id, timeout_s=60)
     log = (tmp_path / f"labsupport-{job_id}.out").read_text()
     assert state == "FAILED" and "this script was written for 2 node(s) and the job got 1" in log, log
+
+
+def test_wait_streams_whole_lines_with_paths_under_their_short_names(tmp_path, monkeypatch):
+    """What a notebook cell shows of a job's log: every line once, the job's folder and the venv by name."""
+    log = tmp_path / "job.out"
+    states = iter([("RUNNING", ""), ("RUNNING", ""), ("COMPLETED", "0:0")])
+    writes = [f"run directory {tmp_path}/runs, pyth", f"on {sys.prefix}/bin/python\nstep 1\n", "done"]
+
+    def state(job_id):
+        with log.open("a") as f:
+            f.write(writes.pop(0))
+        return next(states)
+    fake = slurm.Cluster(tmp_path, 0, "10.124.1", 0)
+    monkeypatch.setattr(fake, "state", state)
+    out = []
+    got = fake.wait("1", log, out=type("Out", (), {"write": lambda _, s: out.append(s), "flush": lambda _: None})(),
+                    shown_as={tmp_path: "$JOB_DIR", sys.prefix: "$VENV"})
+    assert got == ("COMPLETED", "0:0")
+    assert out == ["", "run directory $JOB_DIR/runs, python $VENV/bin/python\nstep 1\n", "done"]
