@@ -124,10 +124,8 @@ cluster: $(LAB_STAMP) slurm
 cluster-down:
 	$(VPY) -m labsupport.cluster down --dir $(CLUSTER_DIR)
 
-# Notebooks first: each is one long scope (up to 3 minutes) that xdist hands out in the order given,
-# so they start while the short test files can still fill the other worker, not at the end.
 test: $(DEV_STAMP) browser slurm
-	$(RUN_ENV) $(VPY) -m pytest $(wildcard notebooks) tests \
+	$(RUN_ENV) $(VPY) -m pytest tests $(wildcard notebooks) \
 		--nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300 \
 		-n $(TEST_WORKERS) --dist loadscope -q -ra --durations=15 $(PYTEST_ARGS)

@@ -353,11 +353,14 @@ def failure_message(result: RunResult) -> str:
         tail = "\n".join(err["traceback"].rstrip().splitlines()[-8:])
         return f"rank {err['rank']} failed: {err['error']}\n{tail}\n(logs in {display_path(result.run_dir)})"
     dead = [r for r, c in result.exit_codes.items() if c is None]
+    bad = {r: c for r, c in result.exit_codes.items() if c}
+    if bad:  # the cause; ranks still starting or running then were stopped by torchrun and left no code
+        stopped = f"; torchrun then stopped rank(s) {dead}" if dead else ""
+        return f"rank(s) exited non-zero {bad}{stopped}; logs in {display_path(result.run_dir)}"
     if dead:
         return (f"rank(s) {dead} left no exit code (killed, out of memory, crashed, or never started); "
                 f"torchrun exited {result.returncode}; see {display_path(result.run_dir)}/torchrun.log")
-    bad = {r: c for r, c in result.exit_codes.items() if c}
-    return f"rank(s) exited non-zero {bad}; logs in {display_path(result.run_dir)}"
+    return f"torchrun exited {result.returncode}; see {display_path(result.run_dir)}/torchrun.log"
 
 
 def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
