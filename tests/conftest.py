@@ -83,6 +83,27 @@ def planted_copy(module, replacements, path: Path) -> None:
     path.write_text(source)
 
 
+def cases_on_ranks(tmp_path_factory, script: str, cases: dict):
+    """`reports(label)`: a case's report per rank. `cases` is {label: (ranks, check, its arguments)};
+    the first case asked for on N ranks launches `script` once with every case on N ranks (as JSON):
+    a launch's start (torchrun and N imports of torch) is paid once, not per case."""
+    import json
+
+    from labsupport.launch import launch
+    runs = {}
+
+    def reports(label):
+        nproc = cases[label][0]
+        if nproc not in runs:
+            folder = tmp_path_factory.mktemp(f"checks{nproc}")
+            (folder / "checks.py").write_text(script)
+            mine = [(name, *case[1:]) for name, case in cases.items() if case[0] == nproc]
+            runs[nproc] = launch(str(folder / "checks.py"), json.dumps(mine), nproc=nproc, timeout=240,
+                                 run_dir=folder / "run")
+        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
+    return reports
+
+
 def run_cli(*args, timeout=300, env=None):
     """`labsupport ARGS...` in a subprocess; returns the CompletedProcess (text)."""
     return subprocess.run([sys.executable, "-m", "labsupport.cli", *map(str, args)], capture_output=True,

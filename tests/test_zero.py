@@ -1,16 +1,14 @@
 """ZeRO-1/2/3 are proven like DDP: same global batch and seed, same gradients, losses and parameters
 as `single`; and they are what they claim: 1/N of the optimizer states, gradients, parameters per
 rank, for the traffic the paper says."""
-import json
 import textwrap
 
 import pytest
 import torch
 
-from conftest import cli
+from conftest import cases_on_ranks, cli
 from harness import NANO, assert_same_as_single, assert_traffic_in, resume, single, train
 from labsupport import checkpoint
-from labsupport.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -141,20 +139,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """`checks(label)`: the case's report per rank. The first case asked for on N ranks launches every
-    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
-    runs = {}
-
-    def reports(label):
-        nproc = CASES[label][0]
-        if nproc not in runs:
-            folder = tmp_path_factory.mktemp(f"checks{nproc}")
-            (folder / "checks.py").write_text(CHECKS)
-            cases = [(label, *case[1:]) for label, case in CASES.items() if case[0] == nproc]
-            runs[nproc] = launch(str(folder / "checks.py"), json.dumps(cases), nproc=nproc, timeout=240,
-                                 run_dir=folder / "run")
-        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
-    return reports
+    """`checks(label)`: the case's report per rank, every case of N ranks in one launch."""
+    return cases_on_ranks(tmp_path_factory, CHECKS, CASES)
 
 
 @pytest.mark.parametrize("stage, nproc, accum, prefetch", TINY_CASES)
