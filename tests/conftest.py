@@ -83,10 +83,11 @@ def planted_copy(module, replacements, path: Path) -> None:
     path.write_text(source)
 
 
-def cases_on_ranks(tmp_path_factory, script: str, cases: dict):
+def cases_on_ranks(tmp_path_factory, script: str, cases: dict, prepare=None):
     """`reports(label)`: a case's report per rank. `cases` is {label: (ranks, check, its arguments)};
     the first case asked for on N ranks launches `script` once with every case on N ranks (as JSON):
-    a launch's start (torchrun and N imports of torch) is paid once, not per case."""
+    a launch's start (torchrun and N imports of torch) is paid once, not per case. `prepare(folder)`
+    writes what the script imports beside it (planted copies of a module)."""
     import json
 
     from labsupport.launch import launch
@@ -96,6 +97,8 @@ def cases_on_ranks(tmp_path_factory, script: str, cases: dict):
         nproc = cases[label][0]
         if nproc not in runs:
             folder = tmp_path_factory.mktemp(f"checks{nproc}")
+            if prepare is not None:
+                prepare(folder)
             (folder / "checks.py").write_text(script)
             mine = [(name, *case[1:]) for name, case in cases.items() if case[0] == nproc]
             runs[nproc] = launch(str(folder / "checks.py"), json.dumps(mine), nproc=nproc, timeout=240,

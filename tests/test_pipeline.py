@@ -3,15 +3,13 @@ on 2 and 4 stages gives the dense model's loss, every gradient (each stage's par
 embedding's two copies), the global norm, evaluation loss and logits; each stage runs its
 schedule's actions in order; `labsupport train` gives `single`'s losses step by step, for `pp`
 and torch's pipelining (`torch-pp`); bad settings are refused before any rank starts."""
-import json
 import textwrap
 
 import pytest
 
-from conftest import cli, planted_copy
+from conftest import cases_on_ranks, cli, planted_copy
 from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, single, train
 from labsupport.estimate.schedules import schedule
-from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
 from labsupport.model import ModelConfig
 
@@ -121,23 +119,13 @@ DENSE_CASES = {
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    """`dense(label)`: the case's report per rank. The first case asked for on N ranks launches every
-    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    """`dense(label)`: the case's report per rank, every case of N ranks in one launch."""
     from labsupport.parallel import pipeline
-    runs = {}
 
-    def reports(label):
-        nproc = DENSE_CASES[label][0]
-        if nproc not in runs:
-            folder = tmp_path_factory.mktemp(f"dense{nproc}")
-            for i, (old, new, _) in enumerate(BUGS.values()):
-                planted_copy(pipeline, [(old, new)], folder / f"planted_pp_{i}.py")
-            (folder / "dense.py").write_text(DENSE)
-            cases = [(label, *case[1:]) for label, case in DENSE_CASES.items() if case[0] == nproc]
-            runs[nproc] = launch(str(folder / "dense.py"), json.dumps(cases), nproc=nproc, timeout=240,
-                                 run_dir=folder / "run")
-        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
-    return reports
+    def plant(folder):
+        for i, (old, new, _) in enumerate(BUGS.values()):
+            planted_copy(pipeline, [(old, new)], folder / f"planted_pp_{i}.py")
+    return cases_on_ranks(tmp_path_factory, DENSE, DENSE_CASES, plant)
 
 
 @pytest.mark.multiprocess

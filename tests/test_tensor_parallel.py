@@ -1,15 +1,13 @@
 """Tensor parallelism is proven against the dense model: the same logits, loss and every gradient
 (each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism; the same
 training losses as `single` through `labsupport train`; and bad degrees refused before any start."""
-import json
 import textwrap
 
 import pytest
 
-from conftest import cli, planted_copy
+from conftest import cases_on_ranks, cli, planted_copy
 from harness import assert_same_as_single, assert_traffic_in, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
-from labsupport.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,23 +114,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    """`dense(label)`: the case's report per rank. The first case asked for on N ranks launches every
-    case on N ranks in one run: a launch's start (torchrun and N imports of torch) is paid once."""
+    """`dense(label)`: the case's report per rank, every case of N ranks in one launch."""
     from labsupport.parallel import tensor
-    runs = {}
 
-    def reports(label):
-        nproc = CASES[label][0]
-        if nproc not in runs:
-            folder = tmp_path_factory.mktemp(f"dense{nproc}")
-            for i, (replacements, _, _) in enumerate(BUGS.values()):
-                planted_copy(tensor, replacements, folder / f"planted_tp_{i}.py")
-            (folder / "dense.py").write_text(DENSE)
-            cases = [(label, *case[1:]) for label, case in CASES.items() if case[0] == nproc]
-            runs[nproc] = launch(str(folder / "dense.py"), json.dumps(cases), nproc=nproc, timeout=240,
-                                 run_dir=folder / "run")
-        return [runs[nproc].report(rank)[label] for rank in range(nproc)]
-    return reports
+    def plant(folder):
+        for i, (replacements, _, _) in enumerate(BUGS.values()):
+            planted_copy(tensor, replacements, folder / f"planted_tp_{i}.py")
+    return cases_on_ranks(tmp_path_factory, DENSE, CASES, plant)
 
 
 @pytest.mark.parametrize("nproc, mode", MODES)
