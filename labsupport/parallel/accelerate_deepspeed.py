@@ -29,13 +29,15 @@ this rank's ZeRO optimizer state; resuming from one is not done yet.
 """
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager, nullcontext
 
-import deepspeed
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
+# DeepSpeed set up as our deepspeed strategy sets it up: no C++ op probed or built (on CPU its torch
+# backend would compile a shared-memory all-reduce at every start, ~45 s of CPU), torch's deprecation
+# of the collectives DeepSpeed's ZeRO calls silenced
+from .deepspeed_engine import deepspeed
 from .optim import adamw
 from .strategy import Strategy
 
@@ -59,9 +61,6 @@ class AccelerateDeepSpeed(Strategy):
         # ZeRO-3 keeps a parameter under 1e5 elements whole on every rank by default: all of the CPU presets' are
         plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         self.accelerator = Accelerator(cpu=self.rt.device.type == "cpu", deepspeed_plugin=plugin)
-        # DeepSpeed's ZeRO calls these torch.distributed functions at every step; torch would say so each time
-        warnings.filterwarnings(
-            "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning)
         state = self.accelerator.state  # one per process: it may hold an earlier strategy's plugin
         if state.distributed_type != DistributedType.DEEPSPEED:  # on CPU (see the module's docstring)
             state.distributed_type, state.device = DistributedType.DEEPSPEED, self.rt.device
