@@ -443,7 +443,12 @@ def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = 
     res = launch("-m", "labsupport.train", nproc=nproc, timeout=timeout, ranks=ranks, out=out,
                  run_dir=args.run_dir, name=f"train-{args.strategy}", accelerate_config=args.accelerate_config,
                  env={CHECKED_ENV: dump_checked(args, model, config)})
-    reports = [res.report(r) for r in range(nproc)]
+    return summarize(args, config, nproc, [res.report(r) for r in range(nproc)], res)
+
+
+def summarize(args, config: ParallelConfig, nproc: int, reports: list[dict], res) -> dict:
+    """The `labsupport train --json` object: rank 0's results, every rank's memory and traffic, the launch's
+    duration and run directory (`res`)."""
     r0 = reports[0]
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
                                         "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",

@@ -7,6 +7,7 @@ that the ranks of `labsupport train` then run.
 Equivalence is the proof (DESIGN 5): any strategy, same global batch and seed, fp32, must give
 single's losses and its gradient norm before clipping at every step; under AdamW (and clipping)
 the losses alone cannot see a gradient scaled by a constant, the norm can."""
+import io
 import json
 import os
 import shutil
@@ -97,6 +98,64 @@ def train(strategy: str, nproc: int, *args, settings=NANO, env: dict | None = No
     if env is None:
         _RUNS[key] = run
     return run
+
+
+# The rank side of `prefetch`: every checked configuration of the file given, in turn, in one process group
+BATCH = """
+import json, sys
+from labsupport import runtime
+from labsupport.train import load_checked, train
+with runtime.init() as rt:
+    for checked in json.load(open(sys.argv[1])):
+        args, cfg, config = load_checked(checked)
+        runtime.report(**train(args, rt, cfg, config), strategy=args.strategy, world_size=rt.world_size)
+"""
+# Ours only: a run of theirs (torch's, Accelerate's, DeepSpeed's) may leave state in the process
+BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d"}
+
+
+def prefetch(*requests) -> None:
+    """Train the configurations `(strategy, nproc, args[, settings])` ahead, one launch per world size:
+    its ranks train each configuration in turn (BATCH), saving a launch's start (torchrun's agent and
+    every rank importing torch, ~2.3 s of CPU a process) per configuration; `train` then answers from
+    them. The loop reseeds and builds everything per run, so a run gives what its own launch gives.
+    Only our strategies are batched; a batch that fails leaves its configurations to `train` one by
+    one, whose launch then says what failed."""
+    groups: dict[int, list] = {}
+    for strategy, nproc, args, *rest in requests:
+        settings = rest[0] if rest else NANO
+        key = canonical(strategy, nproc, settings, args)
+        if strategy in BATCHED and key not in _RUNS and key not in [k for k, *_ in groups.get(nproc, [])]:
+            groups.setdefault(nproc, []).append((key, strategy, [*map(str, settings), "--strategy", strategy,
+                                                                 *map(str, args)]))
+    for nproc, runs in groups.items():
+        if len(runs) > 1:
+            _train_batch(nproc, runs)
+
+
+def _train_batch(nproc: int, runs: list) -> None:
+    from labsupport.launch import RankFailed, launch
+    from labsupport.train import build_parser, dump_checked, summarize, validate
+    where = WORKDIR / f"batch-{nproc}-{len(LAUNCHES)}"
+    where.mkdir(parents=True)
+    LAUNCHES.append(("batch", nproc, len(runs)))
+    parsed = []
+    for i, (_, strategy, argv) in enumerate(runs):
+        args = build_parser().parse_args([*argv, "--checkpoint-dir", str(where / f"ckpt{i}")])
+        parsed.append((args, *validate(args, nproc)))
+    (where / "runs.json").write_text(json.dumps([dump_checked(*p) for p in parsed]))
+    (where / "batch.py").write_text(BATCH)
+    try:
+        res = launch(str(where / "batch.py"), str(where / "runs.json"), nproc=nproc, run_dir=where / "run",
+                     out=io.StringIO())
+    except RankFailed:
+        return
+    reports = res.reports  # rank -> one report per configuration, in order
+    for i, ((key, strategy, argv), (args, _, config)) in enumerate(zip(runs, parsed)):
+        summary = summarize(args, config, nproc, [reports[r][i] for r in range(nproc)], res)
+        _RUNS[key] = Run(summary, where / f"ckpt{i}", ["--strategy", strategy, "--nproc", nproc, "--json",
+                                                         *argv[:argv.index("--strategy")],
+                                                         *argv[argv.index("--strategy") + 2:]])
 
 
 def single(*args, settings=NANO) -> Run:

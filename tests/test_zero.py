@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import cases_on_ranks, cli
-from harness import NANO, assert_same_as_single, assert_traffic_in, resume, single, train
+from harness import NANO, assert_same_as_single, assert_traffic_in, prefetch, resume, single, train
 from labsupport import checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -169,8 +169,7 @@ def test_a_tensor_smaller_than_the_group_is_padded_and_every_element_owned_once(
 
 # ---------------------------------------------------------------- the CLI: equivalence, memory, traffic
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, extra", [
+RUNS = [
     ("zero1", 2, []),
     ("zero1", 2, ["--micro-batch", "2"]),                 # 2 accumulation steps under DDP's no_sync
     ("zero2", 2, []),
@@ -178,8 +177,19 @@ def test_a_tensor_smaller_than_the_group_is_padded_and_every_element_owned_once(
     ("zero3", 2, []),
     ("zero3", 2, ["--micro-batch", "2"]),                 # a reduce-scatter per micro-batch, accumulated in the shard
     ("zero3", 4, ["--micro-batch", "1"]),  # zero1 and zero2 on 4 ranks: the tiny-model test above
-])
-def test_zero_matches_single_step_by_step(strategy, nproc, extra):
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """This file's runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), ("single", 1, ("--dtype", "bf16")), ("ddp", 2, ()), ("zero3", 2, ("--dtype", "bf16")),
+             *RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", RUNS)
+def test_zero_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra)
     assert out["world_size"] == nproc and out["parallel"]["zero"] == int(strategy[-1])
     # ZeRO-3: rank 0's file holds its shard: of each parameter, the first elements or none
@@ -187,7 +197,7 @@ def test_zero_matches_single_step_by_step(strategy, nproc, extra):
 
 
 @pytest.mark.slow
-def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says():
+def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says(runs):
     """ZeRO-1 divides the optimizer states, ZeRO-2 also the gradients, ZeRO-3 also the parameters
     (within the padding). Traffic per step, against DDP's all-reduce of the gradients (wire 2(n-1)/n P):
     ZeRO-2's reduce-scatter + all-gather is the same; ZeRO-3 all-gathers twice (forward and backward)
@@ -239,7 +249,7 @@ def test_zero_strategy_names_its_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3"])
-def test_sharded_checkpoint_resumes_bit_identically(tmp_path, strategy):
+def test_sharded_checkpoint_resumes_bit_identically(runs, tmp_path, strategy):
     """Every rank saves its shard (its Adam moments and its parameters); a run resumed from step 10
     reports the same 20 losses and norms as the run that never stopped. (ZeRO-1 and -2 keep the same
     ShardedOptimizer state; test_three_d kills and resumes a run of it on 8 ranks.)"""
@@ -256,7 +266,7 @@ def test_sharded_checkpoint_resumes_bit_identically(tmp_path, strategy):
 
 
 @pytest.mark.slow
-def test_zero3_computes_in_bf16_on_fp32_master_shards():
+def test_zero3_computes_in_bf16_on_fp32_master_shards(runs):
     """Under `--dtype bf16` the forward and backward run in bf16 (autocast) while the shards the
     optimizer updates stay fp32: the same bytes per rank as the fp32 run, and losses that follow
     a bf16 run on one device to bf16's precision."""
