@@ -5,7 +5,7 @@ same object is built from `labsupport train` flags, from `train.run(...)` keywor
 the benchmarks, and `check()` refuses a bad one with one line per mistake, naming the flag
 (or keyword) to change. The degrees follow the rank grid of `mesh.py`:
 
-    world size = dp x pp x tp
+    world size = dp x pp x cp x tp       (ep, expert parallel, divides dp: it borrows those ranks)
 
 The configuration checks the degrees and the batch; what each way of splitting needs (a
 divisible vocabulary, a schedule that exists, what it cannot combine with) it asks the steps of
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .compose import step_problems
+from .compose import Parallel, step_problems
 from .mesh import AXES
 from .registry import STRATEGIES
+
+
+DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a strategy may set above 1 (registry's Entry.axes)
 
 
 class ConfigError(ValueError):
@@ -63,7 +66,7 @@ class ParallelConfig:
               **options) -> "ParallelConfig":
         """The configuration for `world_size` ranks: dp defaults to what tp and pp leave of the world."""
         if dp is None:
-            dp = max(1, world_size // max(1, tp * pp))
+            dp = max(1, world_size // max(1, tp * pp * options.get("cp", 1)))
         return cls(strategy=strategy, dp=dp, tp=tp, pp=pp, **options)
 
     @property
@@ -97,9 +100,13 @@ class ParallelConfig:
             microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
         # The steps see what the strategy would run: a degree it does not split (reported above) as 1, a
         # refused --zero as 0, so one mistake is one line.
-        unsplit = {axis: 1 for axis in ("dp", "tp", "pp") if entry.axes and axis not in entry.axes}
+        unsplit = {axis: 1 for axis in DEGREES if entry.axes and axis not in entry.axes}
         out += step_problems(replace(self, **unsplit, **({"zero": 0} if zero else {})), model, microbatches)
-        out += entry.load().problems(self, model, microbatches)
+        cls = entry.load()
+        out += cls.problems(self, model, microbatches)
+        if model is not None and model.experts and not issubclass(cls, Parallel):
+            out.append(f"--experts: {self.strategy} is a reference that knows no mixture of experts; "
+                       "use single or ddp")
         return out + batch
 
     def _degree_problems(self, entry, world_size: int) -> list[str]:
@@ -111,7 +118,7 @@ class ParallelConfig:
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
                        f"make dp x tp x pp{' x cp' * (self.cp != 1)} equal the number of ranks")
-        for axis in ("dp", "tp", "pp"):
+        for axis in DEGREES:
             if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
                 uses = " and ".join(entry.axes)
                 out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
