@@ -80,7 +80,7 @@ def test_expert_parallel_equals_single(nproc, extra, single_extra, groups):
 def test_bad_input_is_one_line_before_any_rank(nproc, args, message):
     with pytest.raises(ConfigError) as refused:
         validate(build_parser().parse_args(["--model", "nano", *args]), nproc)
-    assert refused.value.problems == [pytest.approx(refused.value.problems[0])] and message in str(refused.value)
+    assert len(refused.value.problems) == 1 and message in refused.value.problems[0]
 
 
 def test_the_command_line_refuses_before_starting(tmp_path):
