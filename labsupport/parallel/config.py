@@ -37,6 +37,8 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                      # context parallel: the sequence cut over cp ranks (ring attention)
+    ep: int = 1                      # expert parallel: the experts spread over ep of the dp ranks
     zero: int | None = None          # None: not given, the strategy's default (registry)
     schedule: str = "1f1b"
     microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch, else pp)
@@ -66,13 +68,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def layout(self) -> dict:
         """What a checkpoint must match to be resumed: the strategy and the grid (and the model chunks
         per pipeline stage, which decide the layers each stage's file holds, where there are several)."""
-        chunks = {"chunks": self.chunks} if self.chunks > 1 else {}
-        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **chunks}
+        extra = {name: getattr(self, name) for name in ("chunks", "cp", "ep") if getattr(self, name) > 1}
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **extra}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,9 +85,9 @@ class ParallelConfig:
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
-        degrees = {axis: getattr(self, axis) for axis in AXES}
+        degrees = {axis: getattr(self, axis) for axis in (*AXES, "ep")}
         if min(degrees.values()) < 1:
-            return [f"--dp, --tp and --pp must be >= 1, got {self._grid()}"]
+            return [f"--dp, --tp, --pp, --cp and --ep must be >= 1, got {self._grid()} (--ep {self.ep})"]
         out = self._degree_problems(entry, world_size)
         zero = self._zero_problems(entry, grid_ok=not out)
         out += zero
@@ -108,7 +110,7 @@ class ParallelConfig:
             out.append(f"--tp {self.tp} needs at least {self.tp} ranks, but the run has {world_size} (--nproc)")
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
-                       "make dp x tp x pp equal the number of ranks")
+                       f"make dp x tp x pp{' x cp' * (self.cp != 1)} equal the number of ranks")
         for axis in ("dp", "tp", "pp"):
             if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
                 uses = " and ".join(entry.axes)
@@ -138,7 +140,8 @@ class ParallelConfig:
             raise ConfigError(problems)
 
     def _grid(self) -> str:
-        return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}"
+        cp = f" x --cp {self.cp}" if self.cp != 1 else ""
+        return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}{cp}"
 
     def micro_batch_size(self, global_batch: int, micro_batch: int | None = None) -> int:
         """Sequences per forward/backward: --micro-batch, else each data-parallel rank's share of
