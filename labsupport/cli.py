@@ -272,14 +272,18 @@ def cmd_plan(args) -> int:
     configs = plan(cfg, machine, args.gpus, global_batch, **options)
     best = configs[0]
     tokens = global_batch * cfg.seq_len
+    shown = configs[:args.top]
+    context = any(c.cp > 1 for c in shown)  # a cp column only where a layout splits the sequence
     lines = [f"{cfg.name}: {args.gpus} GPUs of {machine.name} ({machine.memory_gb:g} GB, "
              f"{machine.peak_tflops_bf16:g} TFLOP/s), global batch {global_batch} x {cfg.seq_len} tokens; "
              f"{len(configs)} layouts fit, the {min(args.top, len(configs))} fastest:",
-             f"{'#':>3} {'dp':>5} {'tp':>3} {'cp':>3} {'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} "
-             f"{'step s':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11}"]
-    for i, c in enumerate(configs[:args.top], 1):
+             f"{'#':>3} {'dp':>5} {'tp':>3} " + (f"{'cp':>3} " if context else "")
+             + f"{'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} {'step s':>9} {'tokens/s':>10} "
+             f"{'TFLOP/s/GPU':>11}"]
+    for i, c in enumerate(shown, 1):
         achieved = tflops_per_gpu(c, cfg, global_batch)
-        lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {c.cp:>3} {c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
+        cp = f"{c.cp:>3} " if context else ""
+        lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {cp}{c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
                      f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {tokens / c.step_time_s:>10.4g} "
                      f"{achieved:>11.4g}")
     lines.append("Why #1:")

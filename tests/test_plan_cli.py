@@ -113,13 +113,15 @@ def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(caps
 
 def test_a_128k_context_is_planned_with_context_parallelism(capsys):
     """The shape flags at 131,072 tokens: no DP x TP x PP layout fits (the pinned --cp 1 above), the planner's
-    layouts add a CP axis, in the table and the JSON; --seq-len also sets a preset's context length."""
+    layouts add a CP axis, in the JSON and as a table column (shown only where a layout has cp > 1, so the
+    2048-token tables read as before); --seq-len also sets a preset's context length."""
     result = plan_json(capsys, *LONG_70B, "--top", "3")
     assert all(c["cp"] > 1 and c["dp"] * c["tp"] * c["pp"] * c["cp"] == 512 for c in result["configs"])
     assert CONTRACT | {"cp", "cp_comm_s"} <= set(result["configs"][0])
     code, out, _ = plan(capsys, *LONG_70B, "--top", "3")
     best = result["configs"][0]
     assert code == 0 and " cp " in out.splitlines()[1]
+    assert " cp " not in plan(capsys, *FRONTIER_175B, "--top", "3")[1].splitlines()[1]  # 2048 tokens: no CP column
     assert f"TP {best['tp']} x CP {best['cp']} x PP {best['pp']} x DP {best['dp']}" in out and "CP ring" in out
     long_175b = plan_json(capsys, "--model", "175b", "--seq-len", "131072", "--gpus", "1024", "--machine", "frontier",
                           "--global-batch", "64", "--top", "1")
