@@ -224,7 +224,10 @@ def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=Non
     tps = [tp] if tp else [t for t in _divisors(cfg.heads)
                            if t <= 2 * node and (node % t == 0 or t % node == 0)]
     pps = [pp] if pp else _divisors(cfg.n_layers)
-    cps = [cp] if cp else [1] if None not in (dp, tp, pp) else context_degrees(cfg.seq_len, machine)
+    if cp:
+        cps = [cp]
+    else:
+        cps = [1] if None not in (dp, tp, pp) else context_degrees(cfg.seq_len, machine)
     for t in tps:
         for p in pps:
             for c in cps:
