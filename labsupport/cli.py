@@ -256,26 +256,34 @@ def cmd_plan(args) -> int:
         return _check_config(args)
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
+    from dataclasses import replace
+
     from .estimate.params import count_params
     from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
+    if args.model and args.seq_len is not None:  # a preset trained at another context length (long-context stage)
+        cfg = replace(cfg, seq_len=args.seq_len)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
     if args.top < 1:
         raise UsageError(f"--top must be >= 1 (got {args.top})")
-    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "micro_batch", "zero", "recompute")
+    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "micro_batch", "zero", "recompute")
              if getattr(args, k) is not None}
     options = dict(precision=args.precision, efficiency=args.efficiency, **fixed)
     configs = plan(cfg, machine, args.gpus, global_batch, **options)
     best = configs[0]
     tokens = global_batch * cfg.seq_len
+    shown = configs[:args.top]
+    context = any(c.cp > 1 for c in shown)  # a cp column only where a layout splits the sequence
     lines = [f"{cfg.name}: {args.gpus} GPUs of {machine.name} ({machine.memory_gb:g} GB, "
              f"{machine.peak_tflops_bf16:g} TFLOP/s), global batch {global_batch} x {cfg.seq_len} tokens; "
              f"{len(configs)} layouts fit, the {min(args.top, len(configs))} fastest:",
-             f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} "
-             f"{'step s':>9} {'tokens/s':>10} {'TFLOP/s/GPU':>11}"]
-    for i, c in enumerate(configs[:args.top], 1):
+             f"{'#':>3} {'dp':>5} {'tp':>3} " + (f"{'cp':>3} " if context else "")
+             + f"{'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} {'step s':>9} {'tokens/s':>10} "
+             f"{'TFLOP/s/GPU':>11}"]
+    for i, c in enumerate(shown, 1):
         achieved = tflops_per_gpu(c, cfg, global_batch)
-        lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
+        cp = f"{c.cp:>3} " if context else ""
+        lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {cp}{c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
                      f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {tokens / c.step_time_s:>10.4g} "
                      f"{achieved:>11.4g}")
     lines.append("Why #1:")
@@ -428,8 +436,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     bu.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time (default 2)")
 
     from .estimate.planner import EFFICIENCY, MACHINE_NAMES
-    pl = sub.add_parser("plan", help="rank DP x TP x PP layouts of a model on a machine by predicted step time")
-    pl.add_argument("--model", default=None, help="a preset, or give the shape with --layers ... --seq-len")
+    pl = sub.add_parser("plan", help="rank DP x TP x PP x CP layouts of a model on a machine by predicted step time")
+    pl.add_argument("--model", default=None, help="a preset (--seq-len changes its context length), or give the "
+                                                  "shape with --layers ... --seq-len")
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         pl.add_argument(f"--{flag}", type=int, default=None)
     pl.add_argument("--gpus", type=int, required=True)
@@ -441,7 +450,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     pl.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed")
     pl.add_argument("--efficiency", type=float, default=EFFICIENCY,
                     help=f"fraction of peak FLOP/s the matmuls reach (default {EFFICIENCY})")
-    for flag in ("dp", "tp", "pp", "micro-batch"):
+    for flag in ("dp", "tp", "pp", "cp", "micro-batch"):
         pl.add_argument(f"--{flag}", type=int, default=None, help="fix this degree (default: the planner chooses)")
     pl.add_argument("--zero", type=int, default=None, choices=[0, 1])
     pl.add_argument("--recompute", choices=["none", "selective", "full"], default=None)

@@ -10,6 +10,9 @@ from labsupport.cli import main
 CONTRACT = {"dp", "tp", "pp", "micro_batch", "zero", "recompute", "memory_per_gpu", "step_time_s", "fits"}
 FRONTIER_175B = ["--model", "175b", "--gpus", "128", "--machine", "frontier", "--global-batch", "640"]
 WORKSHOP_175B = [*FRONTIER_175B, "--tp", "4", "--pp", "16", "--micro-batch", "1", "--zero", "1", "--recompute", "full"]
+# A Llama 3 70B-sized GPT at 131,072 tokens (tests/test_planner.py, LLAMA3_70B_128K) on 512 H100s.
+LONG_70B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "128256", "--seq-len", "131072",
+            "--gpus", "512", "--machine", "dgx-h100", "--global-batch", "32"]
 
 
 def plan(capsys, *args):
@@ -84,6 +87,9 @@ def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
     (["--model", "175b", "--gpus", "128", "--gpu-memory-gb", "80"], "missing --gpus-per-node"),
     (["--model", "1t", "--gpus", "64", "--machine", "frontier"], "fits nowhere on 64 x 64 GB"),
     (["--layers", "4", "--gpus", "8", "--machine", "frontier"], "missing --hidden --heads --vocab --seq-len"),
+    ([*FRONTIER_175B, "--cp", "3"], "the sequence length 2048 does not split into 2 x cp = 6 chunks"),
+    ([*LONG_70B, "--cp", "1"], "leave cp to the planner (context parallelism)"),
+    ([*LONG_70B, "--emit", "megatron"], "uses context parallelism, which the workshop's Megatron-DeepSpeed fork"),
 ])
 def test_mistakes_are_one_line(capsys, args, message):
     code, out, err = plan(capsys, *args)
@@ -105,6 +111,23 @@ def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(caps
     assert "DS_BUILD" not in " ".join(elsewhere["environment"])
 
 
+def test_a_128k_context_is_planned_with_context_parallelism(capsys):
+    """The shape flags at 131,072 tokens: no DP x TP x PP layout fits (the pinned --cp 1 above), the planner's
+    layouts add a CP axis, in the JSON and as a table column (shown only where a layout has cp > 1, so the
+    2048-token tables read as before); --seq-len also sets a preset's context length."""
+    result = plan_json(capsys, *LONG_70B, "--top", "3")
+    assert all(c["cp"] > 1 and c["dp"] * c["tp"] * c["pp"] * c["cp"] == 512 for c in result["configs"])
+    assert CONTRACT | {"cp", "cp_comm_s"} <= set(result["configs"][0])
+    code, out, _ = plan(capsys, *LONG_70B, "--top", "3")
+    best = result["configs"][0]
+    assert code == 0 and " cp " in out.splitlines()[1]
+    assert " cp " not in plan(capsys, *FRONTIER_175B, "--top", "3")[1].splitlines()[1]  # 2048 tokens: no CP column
+    assert f"TP {best['tp']} x CP {best['cp']} x PP {best['pp']} x DP {best['dp']}" in out and "CP ring" in out
+    long_175b = plan_json(capsys, "--model", "175b", "--seq-len", "131072", "--gpus", "1024", "--machine", "frontier",
+                          "--global-batch", "64", "--top", "1")
+    assert long_175b["configs"][0]["cp"] > 1
+
+
 NO_TORCH = """
 import contextlib, io, sys
 from labsupport.cli import main
@@ -121,7 +144,7 @@ def test_memory_and_plan_run_without_torch():
     `plan`, a CPU preset with the corpus's vocabulary included, never import torch or the model."""
     commands = [["plan", *FRONTIER_175B, "--top", "3"], ["plan", *WORKSHOP_175B, "--emit", "megatron", "--json"],
                 ["plan", *WORKSHOP_175B, "--emit", "deepspeed"],
-                ["plan", "--model", "mini", "--gpus", "8", "--machine", "dgx-h100"],
+                ["plan", "--model", "mini", "--gpus", "8", "--machine", "dgx-h100"], ["plan", *LONG_70B, "--json"],
                 ["memory", "--model", "22b", "--tp", "8", "--pp", "2", "--json"], ["memory", "--model", "nano"],
                 ["memory", "--params", "7.5e9", "--dp", "8", "--zero", "2", "--offload", "--json"]]
     code = NO_TORCH.format(commands=", ".join(map(repr, commands)))

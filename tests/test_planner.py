@@ -13,12 +13,13 @@ import pytest
 
 from labsupport.estimate.comm_cost import all_reduce_ring
 from labsupport.estimate.flops import training_flops_per_token
-from labsupport.estimate.machines import DGX_A100, FRONTIER, Machine
+from labsupport.estimate.machines import DGX_A100, DGX_H100, FRONTIER, Machine
 from labsupport.estimate.memory import RECOMPUTE
 from labsupport.estimate.params import count_params
-from labsupport.estimate.planner import (MICRO_BATCHES, ZERO_STAGES, NoFit, check_machine, deepspeed_config,
-                                         describe, evaluate, explain_no_fit, layouts, megatron_arguments,
-                                         megatron_environment, plan, search, step_flops, why)
+from labsupport.estimate.planner import (MACHINE_NAMES, MICRO_BATCHES, ZERO_STAGES, NoFit, check_machine,
+                                         context_degrees, deepspeed_config, describe, evaluate, explain_no_fit,
+                                         layouts, megatron_arguments, megatron_environment, plan, search, step_flops,
+                                         why)
 from labsupport.estimate.published import NARAYANAN_TABLE_1
 from labsupport.estimate.scaling import WORKSHOP, strong_scaling, weak_scaling
 from labsupport.model import PRESETS, ModelConfig
@@ -167,6 +168,8 @@ def test_bad_machine_values_are_refused_in_one_line(field, value):
     (dict(tp=5), "tp 5 does not divide the 96 attention heads"),
     (dict(pp=5), "pp 5 does not divide the 96 layers"),
     (dict(dp=2, micro_batch=3), "not a multiple of dp x micro-batch = 2 x 3"),
+    (dict(cp=3), "the sequence length 2048 does not split into 2 x cp = 6 chunks (the balanced split)"),
+    (dict(dp=2, tp=4, pp=8, cp=4), "dp x tp x pp x cp = 2 x 4 x 8 x 4 = 256, not the 128 GPUs"),
 ])
 def test_bad_degrees_are_refused_before_anything_runs(fixed, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -232,3 +235,90 @@ def test_the_planners_work_does_not_grow_with_the_gpus(gpus):
     assert len(list(layouts(cfg, FRONTIER, gpus, gpus))) <= candidates
     best = plan(cfg, FRONTIER, gpus, gpus)[0]
     assert best.dp * best.tp * best.pp == gpus
+
+
+# ---------------------------------------------------------------- context parallelism (long sequences)
+
+# A Llama 3 70B-sized model (Dubey et al. 2024, Table 3: 80 layers, model dimension 8192, 64 heads, a
+# 128K-token vocabulary, here 128,256 as released) as this planner's GPT: 4h MLP, full multi-head attention,
+# learned positions (66.6B parameters), at the 131,072 tokens of Llama 3's long-context stage (Sec. 3.4.2).
+LLAMA3_70B_128K = ModelConfig("70b-128k", n_layers=80, hidden=8192, heads=64, vocab=128256, seq_len=131072)
+
+
+def test_at_128k_tokens_no_tp_x_pp_layout_fits_and_context_parallelism_does():
+    """512 H100s, 32 sequences of 131,072 tokens. Without CP the leanest layout is full recomputation, which still keeps
+    each layer's input: 2 s b h bytes x 80 layers = 2 x 131072 x 8192 x 80 = 171.8 GB on the first stage whatever TP
+    and PP do (no sequence parallelism in this model), against 72 GB usable. CP divides that by cp."""
+    cfg = LLAMA3_70B_128K
+    with pytest.raises(NoFit, match=r"needs (17\d\.\d) GB per GPU > 72.0 GB usable .*leave cp to the planner") as e:
+        plan(cfg, DGX_H100, 512, 32, cp=1)
+    assert float(re.search(r"needs ([\d.]+) GB", str(e.value)).group(1)) > 2 * 131072 * 8192 * 80 / 1e9
+    best = plan(cfg, DGX_H100, 512, 32)[0]
+    assert best.fits and best.cp > 1 and best.gpus == 512
+    assert describe(best).startswith(f"TP {best.tp} x CP {best.cp} x PP")
+    assert any(line.startswith(f"CP {best.cp} cuts each sequence of 131072 tokens") for line in why(
+        best, cfg, DGX_H100, 512, 32))
+
+
+def test_llama_3s_128k_layout_fits_only_with_context_parallelism_and_is_near_the_best():
+    """Dubey et al. 2024, Table 4: the 405B's 128K stage ran on 16,384 H100s as TP 8 x CP 16 x PP 16 x DP 8, 16M
+    tokens per batch (128 sequences of 131,072). Its shape (Table 3: 126 layers of 16384, 128 heads) with 128 layers
+    here, so that 16 stages are equal (Sec. 3.3.2: Llama 3 took one layer off the first and the last stage)."""
+    cfg = replace(LLAMA3_70B_128K, name="405b-128k", n_layers=128, hidden=16384, heads=128)
+    with pytest.raises(NoFit):
+        plan(cfg, DGX_H100, 16384, 128, cp=1)
+    published = plan(cfg, DGX_H100, 16384, 128, tp=8, cp=16, pp=16)[0]
+    best = plan(cfg, DGX_H100, 16384, 128)[0]
+    assert (published.dp, published.fits) == (8, True)
+    assert best.cp == 16 and published.step_time_s <= 1.05 * best.step_time_s
+
+
+def test_the_ring_and_the_other_terms_under_cp_by_hand():
+    """dp 1 x tp 2 x pp 2 x cp 2 on two nodes of 4, 8 sequences of 512, hidden 1024: m = 8 micro-batches, 2 layers a
+    stage, each rank holds 256 positions. One K (or V) block: 256 x 1024/2 x 2 bytes = 262,144 B. Per layer and
+    micro-batch the ring sends (Liu et al. 2023) K and V once forward (2 blocks), backward K and V again and the dK, dV
+    sums in fp32 (2 + 4 blocks): 8 blocks over the CP group's tp x cp = 4 ranks, inside a node (100 GB/s). TP's 4
+    all-reduces carry 256 x 1024 x 2 bytes each; PP sends b s h / (tp cp) = 262,144 B across nodes (a pipeline spans
+    tp x cp x pp = 8 ranks); the gradients are reduced over the dp x cp = 2 ranks that hold them."""
+    machine = Machine("round", devices_per_node=4, intra_alpha_s=0, intra_gbps=100, inter_alpha_s=0, inter_gbps=10,
+                      peak_tflops_bf16=100, memory_gb=80)
+    cfg = ModelConfig("small", n_layers=4, hidden=1024, heads=8, vocab=1024, seq_len=512)
+    c = evaluate(cfg, machine, 8, 8, dp=1, tp=2, pp=2, cp=2, micro_batch=1, efficiency=0.5)
+    m, block = 8, 262_144
+    assert c.microbatches == m and c.gpus == 8
+    assert c.cp_comm_s == pytest.approx(m * 2 * 8 * block / 100e9)
+    assert c.tp_comm_s == pytest.approx(m * 2 * 4 * 256 * 1024 * 2 / 100e9)
+    assert c.pp_comm_s == pytest.approx(2 * (m + 1) * block / 10e9)
+    share = -(-count_params(cfg, padded=True) // 4)
+    assert c.dp_comm_s == pytest.approx(all_reduce_ring(2 * share, 2, 0, 1 / 10e9))
+    assert c.bubble_s == pytest.approx((c.compute_s + c.tp_comm_s + c.cp_comm_s) / m)
+    full = evaluate(cfg, machine, 8, 8, dp=1, tp=2, pp=2, cp=2, micro_batch=1, recompute="full", efficiency=0.5)
+    assert full.cp_comm_s == pytest.approx(m * 2 * (2 * 2 + 6) * block / 100e9)  # the forward's sends twice
+
+
+def test_memory_under_cp_by_hand():
+    """The same layout, ZeRO-1, mixed precision. Model states: the tp x pp = 4 split of the parameters psi, 2 + 2 bytes
+    each, the 12 bytes of the optimizer sharded over the dp x cp = 2 ranks. Activations (Korthikanti et al. 2022 with
+    ring attention's no scores, s / cp positions): (10 + 24 / t) s b h / cp = 22 x 256 x 1024 bytes per layer, 4
+    layers on the first stage, and once the pair of K/V blocks in flight (Liu et al. 2023): 2 x 262,144 bytes."""
+    cfg = ModelConfig("small", n_layers=4, hidden=1024, heads=8, vocab=1024, seq_len=512)
+    c = evaluate(cfg, FRONTIER, 8, 8, dp=1, tp=2, pp=2, cp=2, zero=1)
+    psi = -(-count_params(cfg, padded=True) // 4)
+    assert c.memory_per_gpu == 2 * psi + 2 * psi + 12 * psi // 2 + 4 * 22 * 256 * 1024 + 2 * 262_144
+
+
+def test_cp_is_tried_only_where_each_block_can_hide_its_sends():
+    """Liu et al. 2023, Sec. 3: a block of c positions hides its K/V sends when c >= F / B. On a DGX H100's NVLink,
+    989.4e12 / 450e9 = 2199 positions: at 131,072 tokens cp up to 32 (4096 positions), not 64 (2048); at 2048
+    tokens no cp > 1 on any of the machines, so the plans of the 2048-token models are those of DP x TP x PP."""
+    assert context_degrees(131072, DGX_H100) == [1, 2, 4, 8, 16, 32]
+    assert all(context_degrees(2048, machine) == [1] for machine in MACHINE_NAMES.values())
+    assert {c.cp for c in plan(PRESETS["175b"], FRONTIER, 128, 640)} == {1}
+    assert {c.cp for c in plan(PRESETS["175b"], FRONTIER, 128, 640, cp=2)} == {2}  # pinned, it is planned
+
+
+def test_megatron_deepspeed_arguments_are_refused_for_a_cp_layout():
+    c = plan(LLAMA3_70B_128K, DGX_H100, 512, 32)[0]
+    for emit in (lambda: megatron_arguments(c, LLAMA3_70B_128K, 32), lambda: deepspeed_config(c, 32)):
+        with pytest.raises(ValueError, match="uses context parallelism, which the workshop's Megatron-DeepSpeed fork"):
+            emit()

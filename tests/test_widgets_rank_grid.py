@@ -6,7 +6,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from labsupport.grid import coordinates, groups_along  # noqa: E402
+from labsupport.grid import MESH_AXES, coordinates, cp_coordinate, groups_along, rank_of  # noqa: E402
 from labsupport.widgets import rank_grid as rg  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
 from figures import cut_off_controls, figure_defects  # noqa: E402
@@ -127,7 +127,7 @@ def test_static_figure_stands_in_for_the_widget(monkeypatch):
     everything = rg.rank_grid_figure(2, 2, 1, 2, order=BAD_ORDER, colour_by="all")
     assert everything.axes[0].get_title().startswith("groups that cross nodes: TP 2 of 2, PP 0 of 4, DP 0 of 2")
     with pytest.raises(ValueError, match="colour_by is one of"):
-        rg.rank_grid_figure(colour_by="ep")
+        rg.rank_grid_figure(colour_by="sp")
     assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
 
     shown = []
@@ -169,7 +169,10 @@ def test_the_legend_says_which_colour_is_which_group():
 @pytest.mark.parametrize("grid", [dict(colour_by="all"), dict(order=BAD_ORDER),
                                   dict(dp=4, tp=2, pp=1, devices_per_node=8),
                                   dict(dp=8, tp=4, pp=2, devices_per_node=8, colour_by="all"),
-                                  dict(dp=1, tp=1, pp=1, devices_per_node=1, colour_by="dp")])
+                                  dict(dp=1, tp=1, pp=1, devices_per_node=1, colour_by="dp"),
+                                  dict(dp=2, tp=2, pp=2, cp=2, devices_per_node=8, colour_by="all"),
+                                  dict(dp=4, tp=2, pp=1, cp=2, ep=2, devices_per_node=8, colour_by="all"),
+                                  dict(dp=4, tp=2, pp=1, ep=2, devices_per_node=4, colour_by="ep")])
 def test_nothing_in_the_figure_is_cut_off_covered_or_on_top_of_another(grid):
     assert figure_defects(rg.rank_grid_figure(**grid)) == []
     traffic = [{"tp": counts(10**6), "pp": counts(10**4), "embedding": counts(10), "dp": counts(10**5)}] * 8
@@ -208,3 +211,97 @@ def test_a_group_with_nothing_across_nodes_draws_no_red_edge():
     assert len(across) == len(split) and any(s["across"] == 0 for s in split.values())
     for bar, side in zip(across, split.values()):
         assert (bar.get_edgecolor()[3] > 0) == (side["across"] > 0), (side, bar.get_edgecolor())
+
+
+# ---------------------------------------------------------------- context and expert parallelism
+
+@pytest.mark.parametrize("dp,pp,cp,tp", [(1, 1, 2, 1), (2, 1, 2, 2), (1, 2, 4, 2), (2, 2, 2, 2), (3, 1, 2, 1)])
+def test_cp_varies_between_pp_and_tp_as_in_mesh(dp, pp, cp, tp):
+    """grid.py: rank = ((d pp + p) cp + c) tp + t. Each rank's (d, p, c, t), each axis' groups, and the ranks that
+    hold the same parameters (Mesh's dp_cp group: every d and c for one p and t) are grid.py's."""
+    lay = rg.layout(dp, tp, pp, devices_per_node=4, cp=cp)
+    assert lay.axes == MESH_AXES and lay.order == ("tp", "cp", "pp", "dp") and lay.world_size == dp * pp * cp * tp
+    for rank in range(lay.world_size):
+        d, p, t = coordinates(rank, pp, tp, cp)
+        assert lay.coords[rank] == (d, p, cp_coordinate(rank, tp, cp), t)
+    for axis in MESH_AXES:
+        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, dp, pp, tp, cp), axis
+    assert sorted(g.ranks for g in lay.groups["dp_cp"]) == sorted(
+        tuple(sorted(rank_of(d, p, t, pp, tp, c, cp) for d in range(dp) for c in range(cp)))
+        for p in range(pp) for t in range(tp))
+
+
+def test_cp_stays_next_to_tp_and_crosses_nodes_when_dp_varies_fastest():
+    """dp 2 x cp 2 x tp 2 on nodes of 4: Mesh's order keeps each CP ring (0, 2), (1, 3), ... on a node; with DP
+    fastest, cp one step slower than tp, the rings are (0, 4), ...: every one crosses."""
+    good = rg.layout(2, 2, 1, 4, cp=2)
+    assert [g.ranks for g in good.groups["cp"]] == [(0, 2), (1, 3), (4, 6), (5, 7)] and not good.crossing("cp")
+    assert "CP groups stay inside a node (4 groups of 2)." in rg.describe(good)
+    bad = rg.layout(2, 2, 1, 4, order=BAD_ORDER, cp=2)
+    assert bad.order == ("dp", "pp", "tp", "cp") and bad.coords[1] == (1, 0, 0, 0) and bad.coords[4] == (0, 0, 1, 0)
+    assert [g.ranks for g in bad.groups["cp"]] == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    assert ("CP groups cross nodes: 4 of 4 (e.g. ranks 0, 4), so the ring's K/V blocks at every layer run at the "
+            "network's speed.") in rg.describe(bad)
+    assert rg.layout(2, 2, 1, 4, order=("cp", "tp", "pp", "dp"), cp=2).groups["cp"][0].ranks == (0, 1)
+    assert rg.layout(2, 2, 1, 4, order=("tp", "cp", "pp", "dp")) == rg.layout(2, 2, 1, 4)  # cp 1: no axis
+    with pytest.raises(ValueError, match=r"must name each of tp, pp and dp once \(and cp"):
+        rg.layout(2, 2, 1, 4, order=("tp", "cp", "cp", "dp"), cp=2)
+
+
+def test_ep_cuts_each_dp_group_into_groups_of_consecutive_dp_ranks():
+    """Mesh's ep groups: each DP group, in order of d, cut into groups of ep; the edp groups hold the same experts
+    (same d mod ep). dp 4 x tp 2 on nodes of 4: the DP groups are (0, 2, 4, 6) and (1, 3, 5, 7)."""
+    lay = rg.layout(4, 2, 1, 4, ep=2)
+    assert [g.ranks for g in lay.groups["ep"]] == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert [g.ranks for g in lay.groups["edp"]] == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    assert lay.drawn == ("tp", "pp", "dp", "ep") and not lay.crossing("ep")
+    ep_groups = "EP groups (2 consecutive DP ranks each, the experts spread over them)"
+    assert f"{ep_groups} stay inside a node" in rg.describe(lay)
+    small_nodes = rg.describe(rg.layout(4, 2, 1, 2, ep=2))
+    assert f"{ep_groups} cross nodes: 4 of 4" in small_nodes
+    assert "so the all-to-all dispatch and combine at every MoE layer run at the network's speed" in small_nodes
+    with pytest.raises(ValueError, match="ep 3 must divide dp 4"):
+        rg.layout(4, 2, 1, 4, ep=3)
+
+
+def test_a_cp_runs_counters_follow_their_coordinates():
+    """dp 2 x cp 2 x tp 1: Mesh's CP rings are (0, 1) and (2, 3). Placed with DP fastest, rank r's coordinates move
+    to where (d, p, c, t) now sit; nodes of 2 put each ring across. A rank's c counts as much as its d, p and t."""
+    run = [{"cp": counts(10**rank), "dp_cp": counts(1)} for rank in range(4)]
+    assert rg.traffic_split(rg.layout(2, 1, 1, 2, cp=2), run) == {"cp": {"inside": 1111, "across": 0},
+                                                                  "dp_cp": {"inside": 0, "across": 4}}
+    assert rg.traffic_split(rg.layout(2, 1, 1, 2, order=BAD_ORDER, cp=2), run)["cp"] == {"inside": 0, "across": 1111}
+    # nodes of 3 hold ranks 0-2 and 3: DP group (0, 2) stays inside, (1, 3) crosses; rank 1 is (d, c) = (0, 1)
+    dp_bytes = [{"dp": counts(10**rank)} for rank in range(4)]
+    assert rg.traffic_split(rg.layout(2, 1, 1, 3, cp=2), dp_bytes) == {"dp": {"inside": 101, "across": 1010}}
+
+
+def test_the_figure_draws_cp_between_pp_and_tp_and_ep_within_dp():
+    fig = rg.rank_grid_figure(4, 2, 1, 8, cp=2, ep=2, colour_by="all")
+    assert fig.get_suptitle().startswith("dp 4 x pp 1 x cp 2 x tp 2, ep 2 within dp, rank order tp, cp, pp, dp "
+                                         "(fastest first)\neach cell: rank and (d,p,c,t)")
+    assert fig.axes[0].get_title().endswith("bands, top to bottom: TP, CP, PP, DP, EP group")
+    (legend,) = fig.legends
+    assert legend._ncols == 5 and "CP group 0: ranks 0, 2" in [t.get_text() for t in legend.get_texts()]
+    assert "EP group 0: ranks 0, 4" in [t.get_text() for t in legend.get_texts()]
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert labels[:3] == ["node 0", "0", "(0,0,0,0)"] and "(3,0,1,1)" in labels
+    bands = [p for p in fig.axes[0].patches if p.get_linewidth() == 0]
+    assert len(bands) == 16 * 5
+
+
+def test_the_widget_has_cp_and_ep_controls():
+    w = rg.RankGridWidget(dp=2, tp=2, pp=1, devices_per_node=4)
+    w.controls["cp"].value = 2
+    assert w.layout == rg.layout(2, 2, 1, 4, cp=2) and "CP groups stay inside a node" in w.text
+    w.controls["ep"].value = 2
+    assert w.layout.ep == 2 and "EP groups" in w.text
+    w.controls["ep"].value = 3
+    assert w.layout is None and "ep 3 must divide dp 2" in w.error
+    summary = {"parallel": {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "ep": 1},
+               "comm_groups": [{"cp": counts(10**rank)} for rank in range(4)]}
+    run = rg.RankGridWidget(devices_per_node=2, traffic=summary)
+    assert run.options()["cp"] == 2 and run.split == {"cp": {"inside": 1111, "across": 0}}
+    run.controls["cp"].value = 1
+    assert run.split is None and run.text.endswith("(The counters are of dp 2 x pp 1 x cp 2 x tp 1: set those back "
+                                                   "to see them.)")

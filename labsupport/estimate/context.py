@@ -68,6 +68,22 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, cp
     return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes)["in_flight"]
 
 
+def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int,
+                           tp: int = 1, recompute: str = "none", dtype_bytes: int = 2) -> int:
+    """What the first pipeline stage keeps under CP: `n_layers` layers' activations for s / cp
+    positions, plus the K/V blocks in flight once.
+
+    As `memory.estimate_memory` counts a stage (L layers' worth under 1F1B, Korthikanti et al. 2022,
+    Sec 4.2.3), each layer divided by cp as in `activation_bytes`, without scores (ring attention
+    stores none, so "none" keeps what "selective" keeps); full recomputation keeps each layer's
+    input only. The received blocks live while one layer's attention runs, so they count once.
+    """
+    kept = "full" if recompute == "full" else "selective"
+    per_layer = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp, recompute=kept)
+    in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes)["in_flight"]
+    return n_layers * per_layer + in_flight
+
+
 def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> dict:
     """What one rank sends in one layer's ring attention: {"forward"|"backward": {"calls", "payload_bytes"}}.
 

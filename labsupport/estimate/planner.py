@@ -1,7 +1,7 @@
 """The 3D-parallel planner: how to lay out a model's training over a machine's GPUs.
 
 For a model shape, a machine and a number of GPUs, `plan` enumerates every layout
-(dp, tp, pp, micro-batch, ZeRO stage, recomputation) that splits the model evenly, drops those
+(dp, tp, pp, cp, micro-batch, ZeRO stage, recomputation) that splits the model evenly, drops those
 that do not fit in a GPU's memory (`memory.estimate_memory`), predicts each one's step time,
 and ranks the rest, fastest first. `why` says in words why the best ones win; `explain_no_fit`
 says why a model fits nowhere; `search` samples layouts at random, as the workshop's DeepHyper
@@ -10,17 +10,26 @@ search did, and records its trajectory.
 The step time is an additive model, the analysis of Narayanan et al. 2021 ("Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
 
-    step = compute + TP all-reduces + PP sends + DP gradient sync + pipeline bubble
+    step = compute + TP all-reduces + CP ring sends + PP sends + DP gradient sync + pipeline bubble
 
 each term priced on the link its group crosses. Ranks are laid out as labsupport's Mesh lays
-them out, TP fastest, then PP, then DP: a TP group is tp consecutive ranks, a pipeline spans
-tp x pp ranks, a DP group all of them. A group whose ranks fit in one node talks over the node's
-links, else over the network (`group_link`). So TP beyond a node pays the network for its
-four all-reduces per layer and micro-batch, and the planner reproduces Narayanan's guidance
+them out (grid.py), TP fastest, then CP, then PP, then DP: a TP group is tp consecutive ranks, a
+CP group spans tp x cp ranks (Megatron-LM's context parallelism pairs each GPU with "its
+counterparts in other TP groups"), a pipeline tp x cp x pp ranks, a DP group all of them. A
+group whose ranks fit in one node talks over the node's links, else over the network
+(`group_link`). So TP beyond a node pays the network for its four all-reduces per layer and
+micro-batch, and the planner reproduces Narayanan's guidance
 (Sec. 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
 only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) many more
 micro-batches than stages. Only the 1F1B schedule is planned; nothing overlaps communication
 with compute; stages are taken as equal (the embedding and LM head are not placed).
+
+Context parallelism (CP, estimate/context.py) cuts each sequence over cp ranks with ring
+attention (Liu et al. 2023) and the balanced causal split: each rank holds s / cp positions'
+activations, and the ring passes K and V blocks between them. It is the axis for long sequences:
+at 128k tokens the activations alone outgrow a GPU whatever TP and PP do (as this planner models
+TP, without sequence parallelism), and Llama 3 trained its 128k stage with CP 16 next to TP 8
+and PP 16 (Dubey et al. 2024, Sec. 3.3.2 and Table 4).
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from typing import NamedTuple
 
 from ..ds_config import ds_config
 from .comm_cost import all_gather_ring, all_reduce_ring, reduce_scatter_ring
+from .context import min_block_for_overlap, ring_traffic, split_problems, stage_activation_bytes
 from .flops import training_flops_per_token
 from .machines import DGX_A100, DGX_H100, FRONTIER, Machine
 from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory
@@ -65,6 +75,7 @@ class Config:
     dp: int
     tp: int
     pp: int
+    cp: int
     micro_batch: int
     zero: int
     recompute: str
@@ -73,17 +84,18 @@ class Config:
     fits: bool               # memory_per_gpu <= USABLE_MEMORY x the GPU's memory
     compute_s: float
     tp_comm_s: float
+    cp_comm_s: float
     pp_comm_s: float
     dp_comm_s: float
     bubble_s: float
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+        return self.compute_s + self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def to_json(self) -> dict:
         return {**asdict(self), "step_time_s": self.step_time_s}
@@ -135,21 +147,26 @@ def _check_counts(gpus, global_batch) -> None:
 
 
 def check_layout(cfg, gpus: int, global_batch: int, dp=None, tp=None, pp=None, micro_batch=None,
-                 zero=None, recompute=None) -> None:
-    """ValueError, one line, for a degree that cannot work; None means "let the planner choose"."""
+                 zero=None, recompute=None, cp=None) -> None:
+    """ValueError, one line, for a degree that cannot work; None means "let the planner choose"
+    (cp is 1 when dp, tp and pp are all given: nothing is left for it to choose)."""
     _check_counts(gpus, global_batch)
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro batch", micro_batch)):
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro batch", micro_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if cp is not None and split_problems(cfg.seq_len, cp):
+        raise ValueError(split_problems(cfg.seq_len, cp)[0])
     if tp is not None and cfg.heads % tp:
         raise ValueError(f"tp {tp} does not divide the {cfg.heads} attention heads; pick a divisor of {cfg.heads}")
     if pp is not None and cfg.n_layers % pp:
         raise ValueError(f"pp {pp} does not divide the {cfg.n_layers} layers; pick a divisor of {cfg.n_layers}")
-    given = {name: v for name, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v is not None}
+    given = {name: v for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if v is not None}
+    if cp == 1:  # a factor of 1 changes no product: name it only when it splits something
+        del given["cp"]
     product = math.prod(given.values())
     names = " x ".join(given)
-    if len(given) == 3 and product != gpus:
-        raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {product}, not the {gpus} GPUs; "
+    if None not in (dp, tp, pp) and product != gpus:
+        raise ValueError(f"{names} = {' x '.join(map(str, given.values()))} = {product}, not the {gpus} GPUs; "
                          f"make their product {gpus}")
     if gpus % product:
         raise ValueError(f"{names} = {product} does not divide the {gpus} GPUs; use a multiple of {product} GPUs")
@@ -160,7 +177,7 @@ def check_layout(cfg, gpus: int, global_batch: int, dp=None, tp=None, pp=None, m
         raise ValueError(f"global batch {global_batch} is not a multiple of the micro-batch {micro_batch}")
     if zero is not None and zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} for the planner, got {zero!r}")
-    if zero and dp == 1:
+    if zero and dp == 1 and (cp or 1) == 1:
         raise ValueError("ZeRO-1 on one data-parallel rank shards nothing; use zero 0 or more dp")
     if recompute is not None and recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
@@ -181,92 +198,146 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_degrees(seq_len: int, machine: Machine) -> list[int]:
+    """The cp the planner tries: 1, and each degree the balanced split allows (2 cp divides s) whose
+    block of c = s / cp positions is at least Liu et al.'s F / B for the node's links
+    (`context.min_block_for_overlap`, Sec. 3). A smaller block's K/V sends take longer than its
+    attention even inside a node, so the ring could never hide behind compute. The step time still
+    charges the ring in full (nothing overlaps here); this only keeps out degrees that cannot pay.
+    At 2048 tokens it leaves cp = 1 on all three machines (F / B is 1040 to 3830 positions).
+    """
+    least = min_block_for_overlap(machine.peak_tflops_bf16 * 1e12, machine.intra_gbps * 1e9)
+    return [c for c in _divisors(seq_len) if c == 1 or (not split_problems(seq_len, c) and seq_len // c >= least)]
+
+
 def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=None, pp=None,
-            micro_batch=None, zero=None, recompute=None):
-    """Every valid (dp, tp, pp, micro_batch, zero, recompute); given values are kept fixed.
+            micro_batch=None, zero=None, recompute=None, cp=None):
+    """Every valid (dp, tp, pp, micro_batch, zero, recompute, cp); given values are kept fixed.
 
     tp divides the heads and either divides the devices per node or spans whole nodes, up to
-    two nodes (so that the cost of TP beyond a node shows); pp divides the layers;
-    dp x tp x pp = gpus; the global batch splits into dp x micro-batch; ZeRO-1 only with dp > 1.
+    two nodes (so that the cost of TP beyond a node shows); pp divides the layers; cp is one of
+    `context_degrees` (1 when dp, tp and pp are all given); dp x tp x pp x cp = gpus; the global
+    batch splits into dp x micro-batch; ZeRO-1 only with dp x cp > 1 (it shards over both).
     """
-    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute)
+    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute, cp)
     node = machine.devices_per_node
     tps = [tp] if tp else [t for t in _divisors(cfg.heads)
                            if t <= 2 * node and (node % t == 0 or t % node == 0)]
     pps = [pp] if pp else _divisors(cfg.n_layers)
+    if cp:
+        cps = [cp]
+    else:
+        cps = [1] if None not in (dp, tp, pp) else context_degrees(cfg.seq_len, machine)
     for t in tps:
         for p in pps:
-            if gpus % (t * p) or (dp and dp * t * p != gpus):
-                continue
-            d = gpus // (t * p)
-            for b in [micro_batch] if micro_batch else MICRO_BATCHES:
-                if global_batch % (d * b):
+            for c in cps:
+                if gpus % (t * p * c) or (dp and dp * t * p * c != gpus):
                     continue
-                for z in [zero] if zero is not None else ZERO_STAGES:
-                    if z and d == 1:
+                d = gpus // (t * p * c)
+                for b in [micro_batch] if micro_batch else MICRO_BATCHES:
+                    if global_batch % (d * b):
                         continue
-                    for r in [recompute] if recompute else RECOMPUTE:
-                        yield d, t, p, b, z, r
+                    for z in [zero] if zero is not None else ZERO_STAGES:
+                        if z and d * c == 1:
+                            continue
+                        for r in [recompute] if recompute else RECOMPUTE:
+                            yield d, t, p, b, z, r, c
+
+
+def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: int, cp: int, zero: int,
+                   recompute: str) -> int:
+    """Bytes per GPU: `memory.estimate_memory`'s total, and under CP two changes.
+
+    The activations are `context.stage_activation_bytes` (s / cp positions per rank, no scores,
+    the K/V blocks in flight), scaled from 16-bit by the recipe as estimate_memory scales its own.
+    ZeRO shards over the dp x cp ranks: CP ranks hold the same weights and reduce their gradients
+    together, and Megatron-LM builds its distributed optimizer on that group
+    (`get_data_parallel_group(with_context_parallel=True)`).
+    """
+    est = estimate_memory(cfg, micro_batch=micro_batch, precision=precision, dp=dp * cp, tp=tp, pp=pp, zero=zero,
+                          recompute=recompute)
+    if cp == 1:
+        return est["total"]
+    activations = stage_activation_bytes(cfg.n_layers, cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
+                                         recompute, ACTIVATION_BYTES)
+    return est["total"] - est["activations"] + activations * BYTES_PER_PARAM[precision]["params"] // 2
 
 
 def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: int, pp: int,
              micro_batch: int = 1, zero: int = 0, recompute: str = "none", precision: str = "mixed",
-             efficiency: float = EFFICIENCY) -> Config:
+             efficiency: float = EFFICIENCY, cp: int = 1) -> Config:
     """Memory and step time of one layout (see the module docstring for the model).
 
     compute: step_flops / (gpus x peak x efficiency).
+    Each rank works on s / cp positions of each sequence (s = seq_len); with cp = 1 all of them.
     TP: each layer of a stage, for each of the m micro-batches, the all-reduces of
-      `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h
+      `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h / cp
       activations; full recomputation repeats the forward's 2), ring all-reduce on group_link(tp).
+    CP: each layer of a stage, for each micro-batch, the sends of `context.ring_traffic` (Liu et al.
+      2023, Sec. 3: K and V go cp - 1 hops forward; backward K, V and the dK, dV sums), each
+      alpha + bytes / bandwidth on group_link(tp x cp); full recomputation repeats the forward's.
     PP: each micro-batch sends its activations to the next stage and its gradient back,
-      b s h / tp bytes per GPU (Narayanan et al. 2021, Sec. 4.1, the scatter/gather
+      b s h / (tp cp) bytes per GPU (Narayanan et al. 2021, Sec. 4.1, the scatter/gather
       optimization), 2 (m + p - 1) messages on the critical path (m in steady state, p - 1 to
-      fill and drain), on group_link(tp x pp).
-    DP: the gradients of this GPU's tp x pp share; ZeRO-0 all-reduces them, ZeRO-1
+      fill and drain), on group_link(tp x cp x pp).
+    DP: the gradients of this GPU's tp x pp share, over the dp x cp ranks that hold it (CP ranks
+      reduce their gradients with the DP ones, as Megatron-LM does); ZeRO-0 all-reduces them, ZeRO-1
       reduce-scatters the gradients and all-gathers the updated parameters, the same volume
       when both are 16-bit (Rajbhandari et al. 2020, Sec. 7.2.1), on group_link(gpus).
-    bubble: (p - 1) / m of compute + TP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1).
+    bubble: (p - 1) / m of compute + TP + CP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1).
     """
     check_machine(machine)
-    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute)
+    check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute, cp)
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     m = global_batch // (dp * micro_batch)
-    memory = estimate_memory(cfg, micro_batch=micro_batch, precision=precision, dp=dp, tp=tp, pp=pp,
-                             zero=zero, recompute=recompute)["total"]
+    memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute)
     compute = step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)
+    forward_passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
+    layers = cfg.n_layers // pp
+    positions = micro_batch * cfg.seq_len // cp   # tokens of one micro-batch on one rank
 
     tp_comm = 0.0
     if tp > 1:
         alpha, gbps = group_link(machine, tp)
-        passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
         per_layer = 0.0
-        for phase, ops in layer_comm(micro_batch * cfg.seq_len, cfg.hidden, bytes_per_element=ACTIVATION_BYTES).items():
+        for phase, ops in layer_comm(positions, cfg.hidden, bytes_per_element=ACTIVATION_BYTES).items():
             for calls, payload in ops.values():
-                per_layer += passes[phase] * calls * all_reduce_ring(payload / calls, tp, alpha, 1 / (gbps * 1e9))
-        tp_comm = m * (cfg.n_layers // pp) * per_layer
+                per_layer += (forward_passes[phase] * calls
+                              * all_reduce_ring(payload / calls, tp, alpha, 1 / (gbps * 1e9)))
+        tp_comm = m * layers * per_layer
+
+    cp_comm = 0.0
+    if cp > 1:
+        alpha, gbps = group_link(machine, tp * cp)
+        sends = ring_traffic(cfg.seq_len, micro_batch, cfg.hidden // tp, cp, ACTIVATION_BYTES)
+        per_layer = sum(forward_passes[phase] * (t["calls"] * alpha + t["payload_bytes"] / (gbps * 1e9))
+                        for phase, t in sends.items())
+        cp_comm = m * layers * per_layer
 
     pp_comm = 0.0
     if pp > 1:
-        alpha, gbps = group_link(machine, tp * pp)
-        message = micro_batch * cfg.seq_len * cfg.hidden * ACTIVATION_BYTES / tp
+        alpha, gbps = group_link(machine, tp * cp * pp)
+        message = positions * cfg.hidden * ACTIVATION_BYTES / tp
         pp_comm = 2 * (m + pp - 1) * (alpha + message / (gbps * 1e9))
 
     dp_comm = 0.0
-    if dp > 1:
+    replicas = dp * cp
+    if replicas > 1:
         alpha, gbps = group_link(machine, gpus)
         beta = 1 / (gbps * 1e9)
         share = -(-count_params(cfg, padded=True) // (tp * pp))
         per = BYTES_PER_PARAM[precision]
         if zero:
-            dp_comm = (reduce_scatter_ring(share * per["grads"], dp, alpha, beta)
-                       + all_gather_ring(share * per["params"], dp, alpha, beta))
+            dp_comm = (reduce_scatter_ring(share * per["grads"], replicas, alpha, beta)
+                       + all_gather_ring(share * per["params"], replicas, alpha, beta))
         else:
-            dp_comm = all_reduce_ring(share * per["grads"], dp, alpha, beta)
+            dp_comm = all_reduce_ring(share * per["grads"], replicas, alpha, beta)
 
-    bubble = bubble_over_ideal(pp, m) * (compute + tp_comm)
-    return Config(dp, tp, pp, micro_batch, zero, recompute, m, memory, memory <= usable_bytes(machine),
-                  compute, tp_comm, pp_comm, dp_comm, bubble)
+    bubble = bubble_over_ideal(pp, m) * (compute + tp_comm + cp_comm)
+    return Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, zero=zero, recompute=recompute, microbatches=m,
+                  memory_per_gpu=memory, fits=memory <= usable_bytes(machine), compute_s=compute, tp_comm_s=tp_comm,
+                  cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, bubble_s=bubble)
 
 
 def usable_bytes(machine: Machine) -> float:
@@ -279,15 +350,15 @@ def _rank_key(c: Config):
 
 def _all(cfg, machine, gpus, global_batch, precision, efficiency, fixed) -> list[Config]:
     check_machine(machine)
-    return [evaluate(cfg, machine, gpus, global_batch, d, t, p, b, z, r, precision, efficiency)
-            for d, t, p, b, z, r in layouts(cfg, machine, gpus, global_batch, **fixed)]
+    return [evaluate(cfg, machine, gpus, global_batch, d, t, p, b, z, r, precision, efficiency, cp=c)
+            for d, t, p, b, z, r, c in layouts(cfg, machine, gpus, global_batch, **fixed)]
 
 
 def plan(cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
          efficiency: float = EFFICIENCY, **fixed) -> list[Config]:
     """The layouts that fit, fastest first; NoFit (with the reason) when none does.
 
-    `fixed` pins any of dp, tp, pp, micro_batch, zero, recompute.
+    `fixed` pins any of dp, tp, pp, cp, micro_batch, zero, recompute.
     """
     configs = _all(cfg, machine, gpus, global_batch, precision, efficiency, fixed)
     fitting = sorted((c for c in configs if c.fits), key=_rank_key)
@@ -306,9 +377,11 @@ def tflops_per_gpu(c: Config, cfg, global_batch: int) -> float:
 
 
 def describe(c: Config) -> str:
-    """'TP 4 x PP 16 x DP 2, micro-batch 1, ZeRO-1, full recomputation'."""
+    """'TP 4 x PP 16 x DP 2, micro-batch 1, ZeRO-1, full recomputation' ('TP 8 x CP 16 x PP 16 x DP 8, ...'
+    with context parallelism), the axes in Mesh's order, fastest first."""
     recompute = "no recomputation" if c.recompute == "none" else f"{c.recompute} recomputation"
-    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}, micro-batch {c.micro_batch}, ZeRO-{c.zero}, {recompute}"
+    context = f" x CP {c.cp}" if c.cp > 1 else ""
+    return f"TP {c.tp}{context} x PP {c.pp} x DP {c.dp}, micro-batch {c.micro_batch}, ZeRO-{c.zero}, {recompute}"
 
 
 def explain_no_fit(cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
@@ -321,9 +394,11 @@ def explain_no_fit(cfg, machine: Machine, gpus: int, global_batch: int, precisio
                 f"the {cfg.heads} heads, pp the {cfg.n_layers} layers, dp = gpus / (tp x pp) the global batch; "
                 f"try a GPU count and batch with more divisors")
     lean = min(configs, key=lambda c: c.memory_per_gpu)
+    context = "leave cp to the planner (context parallelism), " if fixed.get("cp") == 1 and len(
+        context_degrees(cfg.seq_len, machine)) > 1 else ""
     return (f"fits nowhere on {gpus} x {machine.memory_gb:g} GB: even {describe(lean)} needs "
             f"{_gb(lean.memory_per_gpu)} per GPU > {_gb(usable_bytes(machine))} usable "
-            f"({USABLE_MEMORY:.0%} of {machine.memory_gb:g} GB); use more GPUs or a smaller model")
+            f"({USABLE_MEMORY:.0%} of {machine.memory_gb:g} GB); {context}use more GPUs or a smaller model")
 
 
 def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precision: str = "mixed",
@@ -331,8 +406,9 @@ def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precisio
     """A few sentences on a layout: where its time goes and why each choice was made."""
     node = machine.devices_per_node
     total = c.step_time_s
+    ring = f"CP ring {c.cp_comm_s / total:.0%}, " if c.cp > 1 else ""
     lines = [f"{describe(c)}: {_gb(c.memory_per_gpu)} of {_gb(usable_bytes(machine))} usable per GPU; "
-             f"step {total:.3g} s (compute {c.compute_s / total:.0%}, TP {c.tp_comm_s / total:.0%}, "
+             f"step {total:.3g} s (compute {c.compute_s / total:.0%}, TP {c.tp_comm_s / total:.0%}, {ring}"
              f"PP sends {c.pp_comm_s / total:.0%}, DP sync {c.dp_comm_s / total:.0%}, bubble {c.bubble_s / total:.0%})."]
     if node % c.tp:
         lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, 4 per layer and micro-batch, are priced at "
@@ -341,22 +417,30 @@ def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precisio
     elif c.tp > 1:
         lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its 4 all-reduces per layer and micro-batch use "
                      f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.3, takeaway #1).")
+    if c.cp > 1:
+        where = "inside a node" if node % (c.tp * c.cp) == 0 else "across nodes"
+        lines.append(f"CP {c.cp} cuts each sequence of {cfg.seq_len} tokens into {2 * c.cp} chunks, two per rank (the "
+                     f"balanced causal split), so each rank keeps the activations of {cfg.seq_len // c.cp} positions; "
+                     f"its ring passes K and V {where} (Liu et al. 2023).")
     if c.pp > 1:
-        where = "inside a node" if node % (c.tp * c.pp) == 0 else "across nodes"
-        lines.append(f"PP {c.pp} sends only b s h / tp per micro-batch {where}; with m = {c.microbatches} "
+        where = "inside a node" if node % (c.tp * c.cp * c.pp) == 0 else "across nodes"
+        share = "tp" if c.cp == 1 else "(tp cp)"
+        lines.append(f"PP {c.pp} sends only b s h / {share} per micro-batch {where}; with m = {c.microbatches} "
                      f"micro-batches the bubble is (p - 1)/m = {bubble_over_ideal(c.pp, c.microbatches):.1%} "
                      f"of the work (Narayanan et al. 2021, Sec. 2.2.1: keep m >> p).")
-    if c.dp > 1:
-        lines.append(f"DP {c.dp} syncs the gradients once per step, {c.dp_comm_s:.3g} s.")
+    if c.dp * c.cp > 1:
+        ranks = f"DP {c.dp}" if c.cp == 1 else f"DP {c.dp} x CP {c.cp}"
+        lines.append(f"{ranks} syncs the gradients once per step, {c.dp_comm_s:.3g} s.")
     if c.zero:
         plain = evaluate(cfg, machine, gpus, global_batch, c.dp, c.tp, c.pp, c.micro_batch, 0, c.recompute,
-                         precision, efficiency)
-        lines.append(f"ZeRO-1 shards the optimizer states over the {c.dp} DP ranks, saving "
+                         precision, efficiency, cp=c.cp)
+        over = f"{c.dp} DP ranks" if c.cp == 1 else f"{c.dp} x {c.cp} DP x CP ranks"
+        lines.append(f"ZeRO-1 shards the optimizer states over the {over}, saving "
                      f"{_gb(plain.memory_per_gpu - c.memory_per_gpu)} per GPU for the same traffic.")
     lighter = RECOMPUTE[:RECOMPUTE.index(c.recompute)]
     if lighter:
         other = evaluate(cfg, machine, gpus, global_batch, c.dp, c.tp, c.pp, c.micro_batch, c.zero, lighter[-1],
-                         precision, efficiency)
+                         precision, efficiency, cp=c.cp)
         instead = "without recomputation" if lighter[-1] == "none" else "with selective recomputation"
         reason = (f"{instead} this layout would need {_gb(other.memory_per_gpu)}" if not other.fits else
                   f"{instead} it fits too but is slower here ({other.step_time_s:.3g} s)")
@@ -389,8 +473,8 @@ def search(cfg, machine: Machine, gpus: int, global_batch: int, samples: int, se
         raise NoFit(explain_no_fit(cfg, machine, gpus, global_batch, precision, configs=[]))
     rng = random.Random(seed)
     trajectory, best = [], None
-    for i, layout in enumerate(rng.sample(candidates, min(samples, len(candidates)))):
-        c = evaluate(cfg, machine, gpus, global_batch, *layout, precision=precision, efficiency=efficiency)
+    for i, (*layout, cp) in enumerate(rng.sample(candidates, min(samples, len(candidates)))):
+        c = evaluate(cfg, machine, gpus, global_batch, *layout, precision=precision, efficiency=efficiency, cp=cp)
         t = c.step_time_s if c.fits else None
         if t is not None and (best is None or t < best):
             best = t
@@ -422,6 +506,7 @@ def megatron_arguments(c: Config, cfg, global_batch: int, precision: str = "mixe
     none of its scripts uses it. DeepSpeed runs the ZeRO stage of the config (`deepspeed_config`);
     `--zero-stage` (default 1 in the fork) informs Megatron's side only, so both name the same stage.
     """
+    _no_context_parallel(c)
     args = ["--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
             "--num-layers", cfg.n_layers, "--hidden-size", cfg.hidden, "--num-attention-heads", cfg.heads,
             "--seq-length", cfg.seq_len, "--max-position-embeddings", cfg.seq_len,
@@ -483,8 +568,17 @@ def deepspeed_config(c: Config, global_batch: int, precision: str = "mixed") -> 
     Megatron's optimizer to `deepspeed.initialize`. `labsupport plan --check-config` finds no
     contradiction between the two (tests/test_ds_check.py).
     """
+    _no_context_parallel(c)
     return ds_config(c.micro_batch, global_batch // (c.micro_batch * c.dp), c.dp, c.zero, grad_clip=MEGATRON_CLIP_GRAD,
                      dtype="fp32" if precision == "fp32" else _half(precision))
+
+
+def _no_context_parallel(c: Config) -> None:
+    """ValueError, one line: the fork predates context parallelism (Megatron-LM added `--context-parallel-size`)."""
+    if c.cp > 1:
+        raise ValueError(f"{describe(c)} uses context parallelism, which the workshop's Megatron-DeepSpeed fork "
+                         f"does not have; pin --cp 1 to emit its arguments, or use Megatron-LM's "
+                         f"--context-parallel-size")
 
 
 def _half(precision: str) -> str:

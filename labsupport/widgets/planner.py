@@ -7,7 +7,8 @@ only chooses the inputs, formats the outputs and draws them:
 
     plan_for(...)          plan (and search) a preset on a named machine: a Planned, nothing raised
     summary(planned)       the readout: the setting, the reasons for the best layout, the search's result
-    table_rows(planned)    the fastest layouts as rows of text (dp, tp, pp, ..., +% vs best)
+    header(planned)        the table's columns: HEADER, with cp after pp when a layout uses context parallelism
+    table_rows(planned)    the fastest layouts as rows of text (dp, tp, [cp,] pp, ..., +% vs best)
     planner_figure(...)    left: the step time of the fastest layouts split into compute, TP, PP, DP
                            and the bubble; right: the search's trajectory, or step time against
                            memory per GPU of every layout that fits
@@ -18,6 +19,7 @@ from __future__ import annotations
 import html
 import math
 import textwrap
+from dataclasses import replace
 from typing import NamedTuple
 
 from matplotlib.ticker import LogFormatter, MaxNLocator
@@ -40,10 +42,14 @@ ANY = "any"  # the menu entry that leaves ZeRO or recomputation to the planner
 MAX_SAMPLES = 200
 PARTS = {"compute_s": "compute", "tp_comm_s": "TP all-reduces", "pp_comm_s": "PP sends",
          "dp_comm_s": "DP gradient sync", "bubble_s": "pipeline bubble"}  # Config's step-time terms
-COLORS = {"compute_s": "#4C72B0", "tp_comm_s": "#DD8452", "pp_comm_s": "#55A868", "dp_comm_s": "#8172B2",
-          "bubble_s": "#BBBBBB"}
+RING = {"cp_comm_s": "CP ring sends"}  # the term context parallelism adds, drawn after TP's where a layout has it
+COLORS = {"compute_s": "#4C72B0", "tp_comm_s": "#DD8452", "cp_comm_s": "#DA8BC3", "pp_comm_s": "#55A868",
+          "dp_comm_s": "#8172B2", "bubble_s": "#BBBBBB"}
 RECOMPUTE_COLORS = {"none": "#4C72B0", "selective": "#DD8452", "full": "#55A868"}
 HEADER = ["#", "dp", "tp", "pp", "micro-batch", "ZeRO", "recompute", "GB/GPU", "step s", "TFLOP/s/GPU", "+% vs best"]
+# The context lengths the widget offers: the presets' 2048 up to Llama 3's long-context 131,072, where
+# the activations outgrow a GPU and the planner adds context parallelism.
+SEQ_LENS = (2048, 8192, 32768, 131072)
 
 
 class Planned(NamedTuple):
@@ -61,12 +67,16 @@ class Planned(NamedTuple):
 
 
 def plan_for(model: str = "175b", machine: str = "frontier", gpus: int = GPUS, global_batch: int = GLOBAL_BATCH,
-             *, samples: int = 0, seed: int = 0, zero: int | None = None, recompute: str | None = None) -> Planned:
-    """`plan` (and, with samples > 0, `search`) for a preset on one of `MACHINE_NAMES`; `zero` and
-    `recompute` pin those choices. A model that fits nowhere is an answer, not an error."""
+             *, samples: int = 0, seed: int = 0, zero: int | None = None, recompute: str | None = None,
+             seq_len: int | None = None) -> Planned:
+    """`plan` (and, with samples > 0, `search`) for a preset on one of `MACHINE_NAMES`, at its own
+    context length or `seq_len`; `zero` and `recompute` pin those choices. A model that fits
+    nowhere is an answer, not an error."""
     if machine not in MACHINE_NAMES:
         raise ValueError(f"unknown machine {machine!r}; choose one of: {', '.join(MACHINE_NAMES)}")
     cfg, m = get_preset(model), MACHINE_NAMES[machine]
+    if seq_len is not None:
+        cfg = replace(cfg, seq_len=seq_len)
     try:
         configs = plan(cfg, m, gpus, global_batch, zero=zero, recompute=recompute)
     except NoFit as e:
@@ -75,13 +85,23 @@ def plan_for(model: str = "175b", machine: str = "frontier", gpus: int = GPUS, g
     return Planned(cfg, m, gpus, global_batch, configs, trajectory, seed, None)
 
 
+def _context_parallel(p: Planned, top: int) -> bool:
+    return any(c.cp > 1 for c in p.configs[:top])
+
+
+def header(p: Planned, top: int = 5) -> list[str]:
+    """The table's columns: HEADER, and cp after pp when one of the `top` layouts splits the sequence."""
+    return HEADER[:4] + ["cp"] + HEADER[4:] if _context_parallel(p, top) else HEADER
+
+
 def table_rows(p: Planned, top: int = 5) -> list[list[str]]:
-    """The `top` fastest layouts, one row of text per layout, in HEADER's columns."""
+    """The `top` fastest layouts, one row of text per layout, in `header`'s columns."""
     if not p.configs:
         return []
     best = p.configs[0].step_time_s
-    return [[str(i), str(c.dp), str(c.tp), str(c.pp), str(c.micro_batch), str(c.zero), c.recompute,
-             f"{c.memory_per_gpu / 1e9:.1f}", f"{c.step_time_s:.4g}",
+    cp = _context_parallel(p, top)
+    return [[str(i), str(c.dp), str(c.tp), str(c.pp), *([str(c.cp)] if cp else []), str(c.micro_batch), str(c.zero),
+             c.recompute, f"{c.memory_per_gpu / 1e9:.1f}", f"{c.step_time_s:.4g}",
              f"{tflops_per_gpu(c, p.cfg, p.global_batch):.4g}",
              f"{c.step_time_s / best - 1:+.1%}"] for i, c in enumerate(p.configs[:top], 1)]
 
@@ -107,14 +127,18 @@ def summary(p: Planned, top: int = 5) -> list[str]:
 
 
 def _short(c: Config) -> str:
-    return f"TP {c.tp} PP {c.pp}\nDP {c.dp} mb {c.micro_batch}\nZeRO-{c.zero} {c.recompute}"
+    context = f" CP {c.cp}" if c.cp > 1 else ""
+    return f"TP {c.tp}{context} PP {c.pp}\nDP {c.dp} mb {c.micro_batch}\nZeRO-{c.zero} {c.recompute}"
 
 
 def _draw_parts(ax, configs: list[Config]) -> None:
-    """Stacked bars, one per layout: where its step time goes."""
+    """Stacked bars, one per layout: where its step time goes (the CP ring only where a layout has one)."""
     xs = range(len(configs))
     bottom = [0.0] * len(configs)
-    for part, label in PARTS.items():
+    parts = list(PARTS.items())
+    if any(c.cp > 1 for c in configs):
+        parts[2:2] = RING.items()
+    for part, label in parts:
         heights = [getattr(c, part) for c in configs]
         ax.bar(xs, heights, 0.6, bottom=bottom, color=COLORS[part], label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
@@ -199,8 +223,8 @@ def _figure(p: Planned, top: int = 5):
         return fig
     parts, right = fig.subplots(1, 2, width_ratios=[3, 2])
     _draw_parts(parts, p.configs[:top])
-    fig.legend(*parts.get_legend_handles_labels(), loc="outside lower center", ncols=len(PARTS), frameon=False,
-               fontsize=8)
+    handles, labels = parts.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), frameon=False, fontsize=8)
     parts.set_title(f"{p.cfg.name} on {p.gpus} x {p.machine.name}, global batch {p.global_batch}: "
                     f"the {min(top, len(p.configs))} fastest", fontsize=10)
     if p.trajectory:
@@ -218,18 +242,19 @@ def planner_figure(model: str = "175b", machine: str = "frontier", gpus: int = G
 
 
 class PlannerWidget:
-    """Controls for the model, the machine, the GPUs, the global batch, ZeRO and recomputation
+    """Controls for the model, its sequence length, the machine, the GPUs, the global batch, ZeRO and recomputation
     (pinned or the planner's choice) and the random search's samples; shows the fastest layouts
     (table), why the best wins (readout) and where their time goes (figure).
 
     `PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=8000)` in a notebook cell displays it. Its
     state is inspectable without a browser: set `w.controls["gpus"].value = 512` and `w.planned`
-    (plan_for's answer), `w.text`, `w.rows`, `w.readout.value`, `w.table.value` and `w.png` follow.
+    (plan_for's answer), `w.text`, `w.header`, `w.rows`, `w.readout.value`, `w.table.value` and `w.png` follow.
+    At long sequences (`seq_len=131072`) the layouts gain a CP column.
     """
 
     def __init__(self, model: str = "175b", machine: str = "frontier", gpus: int = GPUS,
                  global_batch: int = GLOBAL_BATCH, *, top: int = 5, zero: int | None = None,
-                 recompute: str | None = None, samples: int = 0):
+                 recompute: str | None = None, samples: int = 0, seq_len: int | None = None):
         import ipywidgets as W
 
         self.top = top
@@ -237,6 +262,9 @@ class PlannerWidget:
         c = self.controls = {
             "model": W.Dropdown(options=[(preset_label(n), n) for n in MODELS], value=model, description="model",
                                 style=style, layout=W.Layout(width="580px")),
+            "seq_len": W.Dropdown(options=[("the model's own", None)] + [(f"{n:,} tokens", n) for n in SEQ_LENS],
+                                  value=seq_len, description="sequence length", style=style,
+                                  layout=W.Layout(width="330px")),
             "machine": W.Dropdown(options=[(m.name, name) for name, m in MACHINE_NAMES.items()], value=machine,
                                   description="machine", style=style, layout=W.Layout(width="460px")),
             "gpus": W.Dropdown(options=sorted({*GPU_COUNTS, gpus}), value=gpus, description="GPUs", style=style),
@@ -270,6 +298,7 @@ class PlannerWidget:
         lines = summary(p, self.top)
         self.text = "\n".join(lines)
         self.rows = table_rows(p, self.top)
+        self.header = header(p, self.top)
         color = "#b00" if p.no_fit else "black"
         self.readout.value = (f"<div style='max-width:960px; color:{color}'>"
                               + "<br>".join(html.escape(line) for line in lines) + "</div>")
@@ -283,9 +312,9 @@ class PlannerWidget:
             return ""
         cell = "<td style='padding:1px 8px; text-align:{}'>{}</td>"
         body = "".join("<tr>" + "".join(cell.format("left" if h == "recompute" else "right", html.escape(v))
-                                        for h, v in zip(HEADER, row)) + "</tr>" for row in self.rows)
-        header = "".join(f"<th style='padding:1px 8px'>{h}</th>" for h in HEADER)
-        return f"<table><tr>{header}</tr>{body}</table>"
+                                        for h, v in zip(self.header, row)) + "</tr>" for row in self.rows)
+        columns = "".join(f"<th style='padding:1px 8px'>{h}</th>" for h in self.header)
+        return f"<table><tr>{columns}</tr>{body}</table>"
 
     def figure(self):
         """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`."""
