@@ -43,6 +43,7 @@ def test_estimate_imports_no_torch():
     PRESETS["nano"].with_vocab(65),
     PRESETS["micro"].with_vocab(65),
     ModelConfig("nobias", n_layers=3, hidden=48, heads=6, vocab=65, seq_len=32, bias=False),
+    ModelConfig("moe", n_layers=2, hidden=64, heads=4, vocab=65, seq_len=32, experts=4),
 ], ids=lambda c: c.name)
 def test_count_params_is_exact_for_tinygpt(cfg):
     model = TinyGPT(cfg)

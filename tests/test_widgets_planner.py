@@ -1,5 +1,6 @@
 """The planner widget: every number is estimate.planner's (plan, why, search, explain_no_fit); no browser needed."""
 import base64
+from dataclasses import replace
 
 import matplotlib
 import pytest
@@ -163,3 +164,18 @@ def test_menus():
     assert [v for _, v in w.controls["machine"].options] == list(MACHINE_NAMES)
     with pytest.raises(ValueError, match="unknown machine"):
         pw.plan_for("175b", "summit")
+
+
+def test_at_a_long_context_the_table_and_figure_gain_the_cp_axis():
+    """131,072 tokens: the 175B's layouts split the sequence (estimate.planner), so the table has a cp column after pp
+    and the bars a CP ring part; at the presets' own 2048 tokens neither appears."""
+    w = pw.PlannerWidget("175b", machine="frontier", gpus=1024, global_batch=64)
+    assert w.header == pw.HEADER and "CP ring sends" not in [t.get_text() for t in w.figure().legends[0].get_texts()]
+    w.controls["seq_len"].value = 131072
+    cfg = replace(PRESETS["175b"], seq_len=131072)
+    configs = plan(cfg, MACHINE_NAMES["frontier"], 1024, 64)
+    assert w.planned.configs == configs and w.header == pw.HEADER[:4] + ["cp"] + pw.HEADER[4:]
+    assert [row[4] for row in w.rows] == [str(c.cp) for c in configs[:5]] and all(c.cp > 1 for c in configs[:5])
+    assert "<th style='padding:1px 8px'>cp</th>" in w.table.value and "global batch 64 x 131072 tokens" in w.text
+    assert "CP ring sends" in [t.get_text() for t in w.figure().legends[0].get_texts()]
+    assert figure_defects(w.figure()) == [] and cut_off_controls(w.controls) == []

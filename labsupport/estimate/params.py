@@ -6,6 +6,8 @@ agree to well under 1%: the embeddings, biases and LayerNorms are what the rule 
 """
 from __future__ import annotations
 
+from .experts import expert_params
+
 
 def params_per_layer(cfg) -> int:
     """Parameters of one transformer block: 12 d^2 weights plus the vectors.
@@ -15,9 +17,12 @@ def params_per_layer(cfg) -> int:
     Vectors: two LayerNorm weights (2d), and with `cfg.bias` the two LayerNorm biases (2d) and
     the biases of qkv (3d), attention projection (d), fc (4d) and MLP projection (d): 13d in all.
     Narayanan et al. 2021 (Megatron-LM on GPU clusters), Sec 5.1, count the same 12 d^2 + 13 d.
+    With `cfg.experts` = E, the MLP is E of them plus a bias-free d x E router (Fedus et al. 2021, Sec 2.1).
     """
     d = cfg.hidden
     vectors = 13 * d if cfg.bias else 2 * d
+    if cfg.experts:  # a mixture of experts in place of the MLP: E MLPs and the router's d x E (parallel/experts.py)
+        return 12 * d * d + vectors + (cfg.experts - 1) * expert_params(d, 4 * d, bias=cfg.bias) + d * cfg.experts
     return 12 * d * d + vectors
 
 

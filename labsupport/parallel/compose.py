@@ -41,7 +41,6 @@ from .context import ContextParallelStep
 from .ddp import DataParallelStep
 from .experts import ExpertParallelStep, aux_loss
 from .fsdp import FullyShardStep
-from .mesh import Mesh
 from .optim import adamw
 from .pipeline import PipelineSplit
 from .step import Step
@@ -82,10 +81,6 @@ class Parallel(Strategy):
     """
 
     fp16 = True  # the plain loop and the pipeline's executor both start backward from `scale_loss`
-
-    def __init__(self, rt, config):  # Strategy's, on the grid with its context and expert groups too
-        self.rt, self.config = rt, config
-        self.mesh = Mesh(config.dp, config.pp, config.tp, rank=rt.rank, cp=config.cp, ep=config.ep)
 
     def parallelize(self, model):
         self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)

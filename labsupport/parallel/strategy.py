@@ -41,7 +41,7 @@ class Strategy:
 
     def __init__(self, rt, config):
         self.rt, self.config = rt, config
-        self.mesh = Mesh(config.dp, config.pp, config.tp, rank=rt.rank)
+        self.mesh = Mesh(config.dp, config.pp, config.tp, rank=rt.rank, cp=config.cp, ep=config.ep)
 
     # ------------------------------------------------------------ placement
 
