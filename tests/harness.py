@@ -153,6 +153,7 @@ def _train_batch(nproc: int, runs: list) -> None:
     reports = res.reports  # rank -> one report per configuration, in order
     for i, ((key, strategy, argv), (args, _, config)) in enumerate(zip(runs, parsed)):
         summary = summarize(args, config, nproc, [reports[r][i] for r in range(nproc)], res)
+        del summary["run_dir"]  # the batch's: its traces and logs are the last configuration's
         _RUNS[key] = Run(summary, where / f"ckpt{i}", ["--strategy", strategy, "--nproc", nproc, "--json",
                                                          *argv[:argv.index("--strategy")],
                                                          *argv[argv.index("--strategy") + 2:]])

@@ -7,7 +7,7 @@ import pytest
 
 from labsupport.launch import RankFailed, launch
 from conftest import cases_on_ranks, cli
-from harness import assert_same_as_single, planted, single, train
+from harness import assert_same_as_single, planted, prefetch, single, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -245,8 +245,14 @@ def test_replicas_that_differ_are_refused_without_broadcast(tmp_path):
 
 # ---------------------------------------------------------------- the CLI: `labsupport train --strategy ... --json`
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, extra", [
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), ("ddp", 2, ()),  # the --bucket-mb runs read their own launch's trace
+             *[(s, n, e) for s, n, e in RUNS if "--bucket-mb" not in e])
+
+
+RUNS = [
     ("ddp", 2, ["--ddp-mode", "naive"]),
     ("ddp", 2, ["--ddp-mode", "flat"]),
     ("ddp", 2, ["--ddp-mode", "bucketed", "--bucket-mb", "0.1"]),
@@ -255,8 +261,12 @@ def test_replicas_that_differ_are_refused_without_broadcast(tmp_path):
     ("torch-ddp", 2, ["--micro-batch", "2"]),
     ("torch-ddp", 4, []),
     ("accelerate-ddp", 2, []),
-])
-def test_strategy_matches_single_step_by_step(strategy, nproc, extra):
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", RUNS)
+def test_strategy_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra)
     assert out["world_size"] == nproc
     assert_same_as_single(out, single(), params="whole")
@@ -268,7 +278,7 @@ def test_strategy_matches_single_step_by_step(strategy, nproc, extra):
 
 
 @pytest.mark.slow
-def test_ddp_comm_counts_one_bucket_per_step():
+def test_ddp_comm_counts_one_bucket_per_step(runs):
     out = train("ddp", 2)
     for per_rank, groups, memory in zip(out["comm"], out["comm_groups"], out["memory"]):
         grads = memory["params"]  # default 25 MiB bucket: all 4-byte gradients (padding rows too) in one all-reduce

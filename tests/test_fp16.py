@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import planted_copy
-from harness import PLANTS, assert_same_as_single, planted, resume, single, train
+from harness import PLANTS, assert_same_as_single, planted, prefetch, resume, single, train
 from labsupport import train as train_module
 from labsupport.estimate.memory import estimate_memory, tinygpt_activation_bytes
 from labsupport.launch import launch
@@ -46,6 +46,13 @@ PRESET_RUNS = [("single", 1, ()), ("ddp", 2, ()), ("zero3", 2, ()), ("tp", 2, ("
                ("3d", 4, ("--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"))]
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), ("single", 1, ("--dtype", "fp16")), ("ddp", 2, ()), ("ddp", 2, FP16),
+             *[(s, n, (*FP16, *extra)) for s, n, extra in PRESET_RUNS])
+
+
 def same_as_fp32(out) -> None:
     ref = single()
     assert out["dtype"] == "fp16" and ref["dtype"] == "fp32"
@@ -56,7 +63,7 @@ def same_as_fp32(out) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, nproc, extra", PRESET_RUNS, ids=[s for s, *_ in PRESET_RUNS])
-def test_fp16_equals_the_fp32_reference(strategy, nproc, extra):
+def test_fp16_equals_the_fp32_reference(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *FP16, *extra)
     assert out["skipped_steps"] == [], "2^10 lets every step of nano through"
     assert out["loss_scales"] == [2.0 ** 10] * out["steps"]  # no overflow, and 20 steps are short of 2000
@@ -85,7 +92,7 @@ def test_a_forced_overflow_is_skipped_counted_and_halves_the_scale_on_every_rank
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_an_fp16_run_resumes_with_its_loss_scale(tmp_path):
+def test_an_fp16_run_resumes_with_its_loss_scale(runs, tmp_path):
     """At GradScaler's 2^16 nano's step 5 overflows; resumed from step 10, the run goes on at the
     halved scale it had reached (the scaler's state is in the checkpoint), bit-identical."""
     full = train("single", 1, "--dtype", "fp16")
@@ -174,7 +181,7 @@ def test_the_plant_swaps_unscale_and_clip():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_fp16_runs_hold_the_fp32_recipe_and_fewer_activations():
+def test_fp16_runs_hold_the_fp32_recipe_and_fewer_activations(runs):
     """What an autocast run holds, measured beside the memory model. torch.autocast keeps the weights,
     gradients and Adam's moments in fp32: BYTES_PER_PARAM["fp32"], 4 + 4 + 8 = 16 bytes per parameter,
     the same as fp32 to the byte (not the "mixed" 2 + 2 + 12, nor Megatron-LM's 18 or 20, which keep

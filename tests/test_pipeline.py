@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import cases_on_ranks, cli, planted_copy
-from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, single, train
+from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, prefetch, single, train
 from labsupport.estimate.schedules import schedule
 from labsupport.parallel import ParallelConfig
 from labsupport.model import ModelConfig
@@ -169,11 +169,21 @@ def test_planted_bugs_are_caught(dense, bug):
 
 # ---------------------------------------------------------------- the CLI: `labsupport train --strategy pp --json`
 
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), ("single", 1, ("--micro-batch", "2"), MICRO),
+             *[(s, 2, ("--pp", "2", "--schedule", order, "--microbatches", "4")) for s, order in TWO_STAGES],
+             *[(s, n, ("--pp", n, "--microbatches", "4", *extra), MICRO) for s, n, extra in FOUR_LAYERS])
+
+
+TWO_STAGES = [("pp", "1f1b"), ("pp", "gpipe"), ("torch-pp", "1f1b"), ("torch-pp", "gpipe")]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, order", [("pp", "1f1b"), ("pp", "gpipe"), ("torch-pp", "1f1b"),
-                                             ("torch-pp", "gpipe")])
-def test_training_on_two_stages_matches_single_step_by_step(strategy, order):
+@pytest.mark.parametrize("strategy, order", TWO_STAGES)
+def test_training_on_two_stages_matches_single_step_by_step(runs, strategy, order):
     out = train(strategy, 2, "--pp", "2", "--schedule", order, "--microbatches", "4")
     assert out["parallel"]["pp"] == 2 and out["micro_batch"] == 2
     assert_same_as_single(out, single())
@@ -196,14 +206,17 @@ def test_planted_tied_matrix_counted_twice_fails_the_comparison_with_single(tmp_
         assert_same_as_single(out, single())
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, nproc, extra", [
+FOUR_LAYERS = [
     ("pp", 4, ["--schedule", "1f1b"]),
     ("pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
     ("torch-pp", 2, ["--schedule", "interleaved", "--chunks", "2"]),
-])
-def test_training_on_four_layers_matches_single(strategy, nproc, extra):
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, nproc, extra", FOUR_LAYERS)
+def test_training_on_four_layers_matches_single(runs, strategy, nproc, extra):
     out = train(strategy, nproc, "--pp", nproc, "--microbatches", "4", *extra, settings=MICRO)
     assert_same_as_single(out, single("--micro-batch", "2", settings=MICRO))
 

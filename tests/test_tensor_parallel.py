@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from conftest import cases_on_ranks, cli, planted_copy
-from harness import assert_same_as_single, assert_traffic_in, single, train
+from harness import assert_same_as_single, assert_traffic_in, prefetch, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
 
 pytestmark = pytest.mark.multiprocess
@@ -144,14 +144,23 @@ def test_planted_bugs_are_caught(dense, bug):
 
 # ---------------------------------------------------------------- the CLI: `labsupport train --strategy tp --json`
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, extra", [
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), *RUNS)
+
+
+RUNS = [
     ("tp", 2, ["--tp", "2"]),
     ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"]),
     ("tp", 4, ["--tp", "4", "--sequence-parallel"]),
     ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"]),
-])
-def test_training_matches_single_step_by_step(strategy, nproc, extra):
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", RUNS)
+def test_training_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra)
     assert out["parallel"]["tp"] == nproc and out["parallel"]["dp"] == 1
     assert_same_as_single(out, single())

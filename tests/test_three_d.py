@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from harness import MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, single, train
+from harness import (MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, prefetch, single,
+                     train)
 from labsupport import checkpoint
 from labsupport.estimate.schedules import schedule
 from labsupport.estimate.tp_comm import total, tp_comm
@@ -23,6 +24,22 @@ from labsupport.parallel import ParallelConfig
 from labsupport.parallel.mesh import Mesh
 
 GRID = ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]
+GRIDS_OF_FOUR = [
+    ["--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "4"],                      # TP x PP, 1F1B
+    ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--schedule", "gpipe", "--microbatches", "2"],
+    ["--dp", "2", "--tp", "2", "--pp", "1", "--microbatches", "2"],                      # DP x TP, accumulating
+    ["--dp", "2", "--tp", "2", "--pp", "1", "--zero", "1", "--sequence-parallel"],         # DP x TP with SP, ZeRO-1
+]
+INTERLEAVED = ["--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved", "--chunks", "2",
+               "--microbatches", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """This file's runs on 4 ranks and their references, trained ahead in one launch per world size
+    (harness.prefetch); the 8-rank grid is one run (its test reads its launch's traces)."""
+    prefetch(("single", 1, (), NANO_10), ("single", 1, ("--micro-batch", "2"), MICRO),
+             *[("3d", 4, extra, NANO_10) for extra in GRIDS_OF_FOUR], ("3d", 4, INTERLEAVED, MICRO))
 
 
 @pytest.mark.slow
@@ -36,13 +53,8 @@ def test_two_by_two_by_two_with_zero1_matches_single():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("extra", [
-    ["--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "4"],                      # TP x PP, 1F1B
-    ["--dp", "2", "--tp", "1", "--pp", "2", "--zero", "1", "--schedule", "gpipe", "--microbatches", "2"],
-    ["--dp", "2", "--tp", "2", "--pp", "1", "--microbatches", "2"],                      # DP x TP, accumulating
-    ["--dp", "2", "--tp", "2", "--pp", "1", "--zero", "1", "--sequence-parallel"],         # DP x TP with SP, ZeRO-1
-], ids=["1x2x2", "2x1x2-zero1", "2x2x1", "2x2x1-sp-zero1"])
-def test_grids_without_one_axis_match_single(extra):
+@pytest.mark.parametrize("extra", GRIDS_OF_FOUR, ids=["1x2x2", "2x1x2-zero1", "2x2x1", "2x2x1-sp-zero1"])
+def test_grids_without_one_axis_match_single(runs, extra):
     out = train("3d", 4, *extra, settings=NANO_10)
     assert_same_as_single(out, single(settings=NANO_10))
     degrees = {axis: int(extra[extra.index(f"--{axis}") + 1]) for axis in ("dp", "tp", "pp")}
@@ -52,11 +64,10 @@ def test_grids_without_one_axis_match_single(extra):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_interleaved_schedule_syncs_each_chunk_in_its_last_backward():
+def test_interleaved_schedule_syncs_each_chunk_in_its_last_backward(runs):
     """micro's 4 layers as 2 chunks per stage: each chunk's gradients are final after its own last
     backward, where DP's buckets go out; ZeRO-1 still matches single."""
-    out = train("3d", 4, "--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved", "--chunks", "2",
-                "--microbatches", "2", settings=MICRO)
+    out = train("3d", 4, *INTERLEAVED, settings=MICRO)
     assert_same_as_single(out, single("--micro-batch", "2", settings=MICRO))
     assert out["comm_groups"][0]["dp"]["reduce_scatter"]["calls"] == 2, "once per step, not per micro-batch"
 

@@ -15,7 +15,7 @@ Each launch's start is most of its cost: one launch per configuration, reference
 import pytest
 
 from conftest import cli
-from harness import NANO_10, assert_same_as_single, assert_traffic_in, single, train
+from harness import NANO_10, assert_same_as_single, assert_traffic_in, prefetch, single, train
 from labsupport.parallel import ConfigError, ParallelConfig
 from labsupport.parallel.context import ContextParallelStep
 from labsupport.train import build_parser, validate
@@ -25,13 +25,29 @@ MOE = ("--model", "nano", "--seq-len", "32", "--steps", "6", "--global-batch", "
 DROPS = ("--capacity-factor", "1.0")  # an expert takes its balanced share: some tokens dropped at every step
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, nproc, grid, groups", [
+CP_RUNS = [
     ("ddp", 2, ["--cp", "2"], {"cp", "dp_cp"}),
     ("ddp", 4, ["--dp", "2", "--cp", "2"], {"cp", "dp_cp"}),
     ("tp", 4, ["--tp", "2", "--cp", "2"], {"cp", "dp_cp", "tp"}),
-])
-def test_context_parallel_equals_single(strategy, nproc, grid, groups):
+]
+EP_RUNS = [
+    (2, [], [], {"ep", "dp"}),  # dp 2 = ep 2: each rank 2 of the 4 experts
+    # dp 4, ep 2: two expert groups, each expert's gradient summed with its twin's in the other (edp)
+    (4, [*DROPS, "--micro-batch", "2"], [*DROPS, "--micro-batch", "4"], {"ep", "edp", "dp"}),
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, (), NANO_10), *[("single", 1, single_extra, MOE) for _, _, single_extra, _ in EP_RUNS],
+             *[(strategy, nproc, grid, NANO_10) for strategy, nproc, grid, _ in CP_RUNS],
+             *[("ddp", nproc, ("--ep", "2", *extra), MOE) for nproc, extra, _, _ in EP_RUNS])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, nproc, grid, groups", CP_RUNS)
+def test_context_parallel_equals_single(runs, strategy, nproc, grid, groups):
     """The sequence split over the ring, the sample drawn from whole sequences; the ring's sends in
     the cp group, the gradient average (and the loss) over dp x cp. Without TP every rank holds
     whole parameters: rank 0's last checkpoint is single's to 5e-4, not the harness's 1e-4. The
@@ -47,12 +63,8 @@ def test_context_parallel_equals_single(strategy, nproc, grid, groups):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc, extra, single_extra, groups", [
-    (2, [], [], {"ep", "dp"}),  # dp 2 = ep 2: each rank 2 of the 4 experts
-    # dp 4, ep 2: two expert groups, each expert's gradient summed with its twin's in the other (edp)
-    (4, [*DROPS, "--micro-batch", "2"], [*DROPS, "--micro-batch", "4"], {"ep", "edp", "dp"}),
-])
-def test_expert_parallel_equals_single(nproc, extra, single_extra, groups):
+@pytest.mark.parametrize("nproc, extra, single_extra, groups", EP_RUNS)
+def test_expert_parallel_equals_single(runs, nproc, extra, single_extra, groups):
     out = train("ddp", nproc, "--ep", "2", *extra, settings=MOE)
     ref = single(*single_extra, settings=MOE)
     dropped = sum(sum(layer["dropped"]) for layer in ref["expert_load"])
