@@ -426,5 +426,22 @@ def dispatch(choice, n_experts, ep):
 '''))
 
 
-# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer.
-WHY = {}
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "scores_share": ("Per position the layer keeps 34 s b h bytes of single-position activations and 5 a s^2 b of "
+                     "scores, so the scores' share is 5 a s / h over 34 + 5 a s / h: 5 x 48 x 131,072 / 6144 = 5,120 "
+                     "against 34. Already at 2,048 tokens the scores are the larger part; at 128k they are nearly "
+                     "all of it."),
+    "plain_ratio": ("Rank 0 holds the first half of the sequence: its queries see only its own keys, one block, on "
+                    "the diagonal. Rank 1's queries see all of rank 0's keys (a whole block) and their own (the "
+                    "diagonal block): two. The counter counts the diagonal block whole; of the scores the mask keeps, "
+                    "rank 1 computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2). On cp ranks the "
+                    "plain split's last rank computes cp blocks and its first one."),
+    "ring_sends": ("Forward: rank 0 sends its K and V blocks once, to its neighbour (cp - 1 = 1 hop): 2 blocks. "
+                   "Backward: K and V travel again, and beside them the sums of dK and dV for the block, which collect "
+                   "each rank's contribution on their way back to its owner: 4 blocks. 6 blocks of "
+                   "b x s/2 x h x 4 bytes = {block:,} bytes each; the receives are the same bytes the other way."),
+    "capacity": ("C = ceil(1.25 x 2 x 128 / 4) = 80: each expert takes up to 80 of the 256 assignments, 25 % more than "
+                 "its share of 64 under a perfectly balanced router."),
+}
