@@ -14,6 +14,10 @@ can cut it without rewriting it (ARCHITECTURE.md, "The model"):
   stage is this model with the other stages' parts removed, parameter names unchanged.
 * the vocabulary is padded to a multiple of 64 (divisible by any tensor-parallel degree up to
   64); the padded logits are -inf, so they never win and the mathematics is unchanged.
+* `forward` takes the positions of its tokens where they are not 0..t-1 (context parallelism
+  gives a rank some positions of the sequence; attention reads them for its causal mask).
+* `cfg.experts > 0` makes every block's MLP a mixture of experts (parallel/experts.py's `MoE`),
+  whose load-balancing loss the training loss adds (experts.aux_loss).
 
 The shapes (ModelConfig, the presets, the padding rule) are torch-free data in
 `estimate/shapes.py`, so that sizing a model never imports torch; they are re-exported here.
@@ -74,7 +78,11 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        if cfg.experts:
+            from .parallel.experts import MoE  # (experts.py builds its experts from MLP, defined above)
+            self.mlp = MoE(cfg.hidden, 4 * cfg.hidden, cfg.experts, cfg.top_k, cfg.capacity_factor, bias=cfg.bias)
+        else:
+            self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -123,12 +131,14 @@ class TinyGPT(nn.Module):
         padding = (self.cfg.padded_vocab - self.cfg.vocab) * self.cfg.hidden
         return sum(p.numel() for p in self.parameters()) - padding
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """`positions`: the global position of each of x's tokens (default 0..t-1)."""
         if self.tok_emb is not None:  # the first stage: token ids -> hidden states
             t = x.shape[1]
             if t > self.cfg.seq_len:
                 raise ValueError(f"sequence of length {t} is longer than the model's seq_len {self.cfg.seq_len}")
-            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(t, device=x.device)))
+            positions = torch.arange(t, device=x.device) if positions is None else positions
+            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
             x = block(x)
         if self.ln_f is not None:

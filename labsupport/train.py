@@ -35,6 +35,7 @@ from .estimate.schedules import SCHEDULES
 from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, get_preset, preset_shape
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
 from .model import TinyGPT, generate
+from .parallel.experts import load as expert_load
 from .parallel import DDP_MODES, STRATEGIES, ConfigError, ParallelConfig, make_strategy, strategy_names
 from .parallel.loss_scale import fp16_problem
 from .rundir import make_run_dir
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline micro-batches per step (default: --pp, one per stage)")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree: the sequence cut over cp ranks (ring attention)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: the experts spread over ep of the dp ranks")
+    p.add_argument("--experts", type=int, default=0, help="a mixture of E experts in place of every MLP (0: dense)")
+    p.add_argument("--top-k", type=int, default=2, help="--experts: experts per token")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="--experts: an expert's capacity as a multiple of its balanced share (default: none, nothing dropped)")
     p.add_argument("--sequence-parallel", action="store_true", help="tensor parallel: shard LayerNorm/dropout regions")
     p.add_argument("--ddp-mode", choices=DDP_MODES, default="bucketed", help="ddp: how gradients are all-reduced")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
@@ -95,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parallel_config(args, world_size: int) -> ParallelConfig:
     """The run's parallel configuration from the command line: strategies read this, never `args`."""
     return ParallelConfig.build(
-        world_size, strategy=args.strategy, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+        world_size, strategy=args.strategy, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
         sequence_parallel=args.sequence_parallel, ddp_mode=args.ddp_mode, bucket_mb=args.bucket_mb,
         find_unused_parameters=args.find_unused_parameters, prefetch=not args.no_prefetch)
@@ -112,8 +119,9 @@ def check_resume(checkpoint_dir, expected: dict) -> None:
     saved = checkpoint.layout(checkpoint_dir, step) if step is not None else None
     if saved is not None and saved != expected:
         def say(lay):
+            extra = "".join(f", {key} {lay[key]}" for key in ("chunks", "cp", "ep") if key in lay)
             return (f"{lay['strategy']} on {lay['world_size']} rank(s) (dp {lay['dp']}, tp {lay['tp']}, "
-                    f"pp {lay['pp']}, zero {lay['zero']}" + (f", chunks {lay['chunks']})" if "chunks" in lay else ")"))
+                    f"pp {lay['pp']}, zero {lay['zero']}{extra})")
         raise ValueError(f"the checkpoint at step {step} in {checkpoint_dir} was written by {say(saved)}, "
                          f"this run is {say(expected)}; resume with the same layout or use a new --checkpoint-dir")
 
@@ -139,6 +147,8 @@ def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
         problems.append("--checkpoint-every and --eval-every must be >= 0")
     if not 0 <= args.dropout < 1:
         problems.append("--dropout must be in [0, 1)")
+    if args.experts < 0:
+        problems.append("--experts must be >= 0 (0: the dense MLP)")
     if args.dtype == "fp16":
         problems += fp16_problems(args.strategy)
     if args.loss_scale is not None and (args.dtype != "fp16" or not args.loss_scale > 0):
@@ -149,7 +159,8 @@ def validate(args, world_size: int) -> tuple[ModelConfig, ParallelConfig]:
     if problems:
         raise ConfigError(problems)
     vocab = len(vocabulary(load_text(args.data))) if args.data is not None else None  # DataError for a bad file
-    model = preset_shape(args.model, vocab, seq_len=args.seq_len, dropout=args.dropout)
+    model = preset_shape(args.model, vocab, seq_len=args.seq_len, dropout=args.dropout, experts=args.experts,
+                         top_k=args.top_k, capacity_factor=args.capacity_factor)
     config = parallel_config(args, world_size)
     config.check(world_size, model, args.global_batch, args.micro_batch)
     if args.resume:
@@ -355,7 +366,8 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
         record = {"step": step, "loss": history["losses"][-1], "lr": lr, "grad_norm": grad_norm, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": mfu(tokens_per_step / dt / rt.world_size, cfg, peak_flops),
                   "memory": peaks, "comm": step_comm,
-                  **({"loss_scale": scale, "skipped": scaler.skipped} if scaler is not None else {})}
+                  **({"loss_scale": scale, "skipped": scaler.skipped} if scaler is not None else {}),
+                  **({"expert_load": expert_load(model)} if cfg.experts else {})}  # the step's last micro-batch
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
             val_losses.append([done, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
@@ -381,7 +393,8 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
               "peak_flops": peak_flops, "peak_flops_source": peak_source, "n_params": count_params(cfg),
               "model": {k: v for k, v in cfg.to_dict().items() if k in ("name", "n_layers", "hidden", "heads", "vocab", "seq_len")},
               "parallel": config.to_dict(), "steps": args.steps, "resumed_from": start_step,
-              "step_s_median": sorted(timed)[len(timed) // 2] if timed else None}
+              "step_s_median": sorted(timed)[len(timed) // 2] if timed else None,
+              **({"expert_load": record["expert_load"]} if cfg.experts and step_times else {})}
     if args.eval_batches:
         val_losses.append([args.steps, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
     result["val_losses"] = val_losses
@@ -448,7 +461,7 @@ def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = 
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
                                         "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",
                                         "step_s_median", "parallel")}
-    summary.update({key: r0[key] for key in ("loss_scales", "skipped_steps") if key in r0})  # fp16
+    summary.update({key: r0[key] for key in ("loss_scales", "skipped_steps", "expert_load") if key in r0})  # fp16, MoE
     summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
                    global_batch=args.global_batch,
                    micro_batch=config.micro_batch_size(args.global_batch, args.micro_batch),

@@ -4,23 +4,32 @@ import textwrap
 import pytest
 
 from labsupport.launch import launch
+from labsupport.grid import cp_coordinate
 from labsupport.parallel.mesh import coordinates, groups_along, rank_of
 
 
-@pytest.mark.parametrize("dp, pp, tp", [(2, 2, 2), (1, 2, 2), (2, 1, 2), (2, 2, 1), (8, 1, 1), (1, 1, 8), (2, 3, 2)])
-def test_every_rank_is_in_exactly_one_group_per_axis(dp, pp, tp):
-    world = dp * pp * tp
-    for axis, size in (("dp", dp), ("pp", pp), ("tp", tp)):
-        groups = groups_along(axis, dp, pp, tp)
+def coords4(rank, pp, tp, cp):
+    """(d, p, c, t): the four coordinates in the grid's order, slowest first."""
+    d, p, t = coordinates(rank, pp, tp, cp)
+    return d, p, cp_coordinate(rank, tp, cp), t
+
+
+@pytest.mark.parametrize("dp, pp, tp, cp", [(2, 2, 2, 1), (1, 2, 2, 1), (2, 1, 2, 1), (2, 2, 1, 1), (8, 1, 1, 1),
+                                            (1, 1, 8, 1), (2, 3, 2, 1), (2, 1, 1, 2), (1, 2, 2, 2), (2, 2, 2, 3)])
+def test_every_rank_is_in_exactly_one_group_per_axis(dp, pp, tp, cp):
+    world = dp * pp * cp * tp
+    for axis, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
+        groups = groups_along(axis, dp, pp, tp, cp)
         assert len(groups) == world // size and all(len(g) == size for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(world))
         for g in groups:  # members differ in this axis' coordinate only, listed in its order
-            coords = [coordinates(r, pp, tp) for r in g]
-            position = ("dp", "pp", "tp").index(axis)
+            coords = [coords4(r, pp, tp, cp) for r in g]
+            position = ("dp", "pp", "cp", "tp").index(axis)
             assert [c[position] for c in coords] == list(range(size))
             assert len({c[:position] + c[position + 1:] for c in coords}) == 1
     for r in range(world):
-        assert rank_of(*coordinates(r, pp, tp), pp, tp) == r
+        d, p, c, t = coords4(r, pp, tp, cp)
+        assert rank_of(d, p, t, pp, tp, c, cp) == r == ((d * pp + p) * cp + c) * tp + t
 
 
 def test_tensor_parallel_varies_fastest():
@@ -28,6 +37,9 @@ def test_tensor_parallel_varies_fastest():
     assert groups_along("tp", 2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups_along("pp", 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups_along("dp", 2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # context parallel sits between them: dp 2 x cp 2 x tp 2
+    assert groups_along("cp", 2, 1, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_along("dp", 2, 1, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 MESHES = textwrap.dedent("""
@@ -37,26 +49,27 @@ MESHES = textwrap.dedent("""
     from labsupport import comm, init, report
     from labsupport.parallel.mesh import Mesh, groups_along
 
-    layouts = [tuple(map(int, arg.split("x"))) for arg in sys.argv[1:]]
     with init() as rt:
         results = {}
-        for dp, pp, tp in layouts:
-            mesh = Mesh(dp, pp, tp, rank=rt.rank)
+        for arg in sys.argv[1:]:  # dp x pp x tp [x cp x ep]
+            dp, pp, tp, cp, ep = map(int, (arg + "x1x1").split("x")[:5])
+            mesh = Mesh(dp, pp, tp, rank=rt.rank, cp=cp, ep=ep)
             comm.reset()
             members = {}
-            for axis in ("dp", "pp", "tp"):
+            for axis in ["dp", "pp", "tp"] + ["cp", "dp_cp"] * (cp > 1) + ["ep", "edp"] * (ep > 1):
                 group = mesh.groups[axis]
                 ranks = torch.zeros(rt.world_size)
                 ranks[rt.rank] = 1
                 comm.all_reduce(ranks, group=group)  # who is in my group, as the group itself says
                 members[axis] = [r for r in range(rt.world_size) if ranks[r]]
             torch_mesh = mesh.device_mesh("cpu")
-            results[f"{dp}x{pp}x{tp}"] = {
-                "members": members, "coords": [mesh.dp_rank, mesh.pp_rank, mesh.tp_rank],
+            results[arg] = {
+                "members": members, "coords": [mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank],
                 "first": mesh.is_first_stage, "last": mesh.is_last_stage,
                 "prev": mesh.prev_stage_rank, "next": mesh.next_stage_rank,
                 "counted": {g: c["all_reduce"]["calls"] for g, c in comm.group_counts().items()},
-                "torch": {axis: dist.get_process_group_ranks(torch_mesh.get_group(axis)) for axis in ("dp", "pp", "tp")},
+                "torch": {axis: dist.get_process_group_ranks(torch_mesh.get_group(axis))
+                          for axis in ("dp", "pp", "tp", *(("cp",) if cp > 1 else ()))},
             }
         report(**results)
 """)
@@ -65,33 +78,43 @@ MESHES = textwrap.dedent("""
 def run_meshes(tmp_path, nproc, layouts):
     script = tmp_path / "meshes.py"
     script.write_text(MESHES)
-    res = launch(str(script), *[f"{dp}x{pp}x{tp}" for dp, pp, tp in layouts], nproc=nproc, timeout=180,
+    res = launch(str(script), *["x".join(map(str, layout)) for layout in layouts], nproc=nproc, timeout=180,
                  run_dir=tmp_path / "run")
     return [res.report(r) for r in range(nproc)]
 
 
-def check(reports, dp, pp, tp):
-    key = f"{dp}x{pp}x{tp}"
+def check(reports, dp, pp, tp, cp=1, ep=1, expected_extra=None):
+    """`expected_extra`: rank -> {group name: members} for the dp_cp, ep and edp groups, written out."""
+    key = "x".join(map(str, (dp, pp, tp, cp, ep)[:3 if cp == ep == 1 else 5]))
     for rank, rep in enumerate(reports):
         got = rep[key]
-        d, p, t = got["coords"]
-        assert rank == (d * pp + p) * tp + t
-        for axis in ("dp", "pp", "tp"):
-            expected = next(g for g in groups_along(axis, dp, pp, tp) if rank in g)
+        d, p, c, t = got["coords"]
+        assert rank == ((d * pp + p) * cp + c) * tp + t
+        axes = ("dp", "pp", "tp", *(("cp",) if cp > 1 else ()))
+        for axis in axes:
+            expected = next(g for g in groups_along(axis, dp, pp, tp, cp) if rank in g)
             assert got["members"][axis] == sorted(expected), (rank, axis)
             assert got["torch"][axis] == sorted(expected), f"torch's DeviceMesh disagrees on rank {rank} {axis}"
-        assert got["counted"] == {"dp": 1, "pp": 1, "tp": 1}, "each call is counted under its group's name"
+        for name, members in (expected_extra or {}).get(rank, {}).items():
+            assert got["members"][name] == members, (rank, name)
+        assert set(got["members"]) == set(axes) | set((expected_extra or {}).get(rank, {}))
+        assert got["counted"] == {name: 1 for name in got["members"]}, "each call is counted under its group's name"
         assert got["first"] == (p == 0) and got["last"] == (p == pp - 1)
-        assert got["prev"] == (None if p == 0 else rank - tp)
-        assert got["next"] == (None if p == pp - 1 else rank + tp)
+        assert got["prev"] == (None if p == 0 else rank - tp * cp)
+        assert got["next"] == (None if p == pp - 1 else rank + tp * cp)
 
 
 @pytest.mark.multiprocess
 def test_mesh_groups_on_four_ranks(tmp_path):
-    layouts = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]
+    layouts = [(1, 2, 2), (2, 1, 2), (2, 2, 1), (2, 1, 1, 2, 1), (4, 1, 1, 1, 2)]
     reports = run_meshes(tmp_path, 4, layouts)
-    for layout in layouts:
+    for layout in layouts[:3]:
         check(reports, *layout)
+    # dp 2 x cp 2: rank = 2 d + c; the dense gradients are averaged over all four (DP-CP)
+    check(reports, 2, 1, 1, cp=2, expected_extra={r: {"dp_cp": [0, 1, 2, 3]} for r in range(4)})
+    # dp 4, ep 2: expert groups of consecutive d; the same experts (d mod 2) average their gradients
+    check(reports, 4, 1, 1, ep=2, expected_extra={0: {"ep": [0, 1], "edp": [0, 2]}, 1: {"ep": [0, 1], "edp": [1, 3]},
+                                                  2: {"ep": [2, 3], "edp": [0, 2]}, 3: {"ep": [2, 3], "edp": [1, 3]}})
 
 
 @pytest.mark.multiprocess

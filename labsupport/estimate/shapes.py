@@ -27,6 +27,11 @@ class ModelConfig:
     seq_len: int = 64
     bias: bool = True
     dropout: float = 0.0
+    # A mixture of experts in place of every block's MLP (parallel/experts.py's MoE); 0: the dense MLP.
+    experts: int = 0
+    top_k: int = 2                       # experts each token goes to
+    capacity_factor: float | None = None  # an expert's capacity, x its balanced share; None: no capacity, no drops
+    aux_loss_coef: float = 0.01          # the load-balancing loss' weight in the training loss (Switch's alpha)
 
     def __post_init__(self):
         if self.hidden % self.heads:
@@ -83,11 +88,12 @@ def corpus_vocab() -> int:
 
 
 def preset_shape(name: str, vocab: int | None = None, *, seq_len: int | None = None,
-                 dropout: float | None = None) -> ModelConfig:
+                 dropout: float | None = None, **changes) -> ModelConfig:
     """Preset `name` ready to count or build: a CPU preset gets `vocab` (default: the shipped
-    corpus's), an analysis shape keeps its own; `seq_len` and `dropout`, when given, replace the preset's."""
+    corpus's), an analysis shape keeps its own; `seq_len`, `dropout` and the other `changes` (fields
+    of ModelConfig: experts=4, top_k=1), when given, replace the preset's."""
     cfg = get_preset(name)
     if cfg.vocab is None:
         cfg = cfg.with_vocab(vocab if vocab is not None else corpus_vocab())
-    changes = {key: value for key, value in (("seq_len", seq_len), ("dropout", dropout)) if value is not None}
+    changes.update({key: value for key, value in (("seq_len", seq_len), ("dropout", dropout)) if value is not None})
     return replace(cfg, **changes) if changes else cfg

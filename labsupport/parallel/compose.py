@@ -7,9 +7,13 @@ model one after the other, each on its own axis of the rank grid (mesh.py), alwa
    first because it copies the model, and a process group cannot be copied;
 2. tensor parallelism on each chunk (`TensorParallelStep`, tensor.py, axis tp), as torchtitan cuts
    each pipeline part after the split;
-3. data parallelism over the DP axis, in one of its flavours (`--zero` picks it): DDP's buckets
-   (`DataParallelStep`, ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets and sharded
-   optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
+3. context parallelism (`ContextParallelStep`, context.py, axis cp): ring attention, each rank
+   keeping its share of every sequence;
+4. expert parallelism (`ExpertParallelStep`, experts.py, the dp ranks' ep groups): each rank keeps
+   its experts, marked so that data parallelism leaves them alone;
+5. data parallelism over the DP axis (with cp, dp x cp), in one of its flavours (`--zero` picks
+   it): DDP's buckets (`DataParallelStep`, ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets
+   and sharded optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
 
 `STEPS` below is that order. A step that does not apply (its degree is 1) is left out, so its
 group carries no traffic; a new parallelism is a step in a file of its own and a line in `STEPS`. The strategies `single`,
@@ -22,7 +26,9 @@ the strategy the training loop calls (strategy.py says what the loop asks), asks
 turn: the loss from the first step that has one (TP's is vocab-parallel); gradients finished in
 reverse order (DP's buckets are waited for before the pipeline sums the tied matrix's copies);
 the gradient norm from what each step says is counted elsewhere (clip.py). The micro-batches are
-run by the pipeline's executor when there is a pipeline, else by the plain loop.
+run by the pipeline's executor when there is a pipeline, else by the plain loop, each cut to this
+rank's share first (`Step.local_batch`). A mixture-of-experts model's load-balancing loss joins
+the training loss here (times `aux_loss_coef`); validation reports the language-model loss alone.
 """
 from __future__ import annotations
 
@@ -31,8 +37,11 @@ from contextlib import ExitStack
 import torch
 
 from .clip import clip_grad_norm_
+from .context import ContextParallelStep
 from .ddp import DataParallelStep
+from .experts import ExpertParallelStep, aux_loss
 from .fsdp import FullyShardStep
+from .mesh import Mesh
 from .optim import adamw
 from .pipeline import PipelineSplit
 from .step import Step
@@ -40,7 +49,8 @@ from .strategy import Strategy
 from .tensor import TensorParallelStep
 from .zero import ZeROStep
 
-STEPS = (PipelineSplit, TensorParallelStep, DataParallelStep, ZeROStep, FullyShardStep)  # in the order they apply
+STEPS = (PipelineSplit, TensorParallelStep, ContextParallelStep, ExpertParallelStep,  # in the order they apply
+         DataParallelStep, ZeROStep, FullyShardStep)
 
 
 def steps_for(config) -> list[type]:
@@ -73,6 +83,10 @@ class Parallel(Strategy):
 
     fp16 = True  # the plain loop and the pipeline's executor both start backward from `scale_loss`
 
+    def __init__(self, rt, config):  # Strategy's, on the grid with its context and expert groups too
+        self.rt, self.config = rt, config
+        self.mesh = Mesh(config.dp, config.pp, config.tp, rank=rt.rank, cp=config.cp, ep=config.ep)
+
     def parallelize(self, model):
         self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)
         self.pipeline = next((s for s in self.steps if s.axis == "pp"), None)  # it runs the micro-batches
@@ -85,12 +99,18 @@ class Parallel(Strategy):
                 return optimizer
         return adamw(model.parameters(), lr, weight_decay)
 
-    def loss_fn(self, logits, targets):
+    def lm_loss(self, logits, targets):
         for step in self.steps:
             loss = step.loss(logits, targets)
             if loss is not None:
                 return loss.mean()
         return super().loss_fn(logits, targets)
+
+    def loss_fn(self, logits, targets):
+        """The training loss: the language model's, plus the experts' load balancing where there are experts."""
+        loss = self.lm_loss(logits, targets)
+        balance = aux_loss(self.parts[-1])
+        return loss if balance is None else loss + self.parts[-1].cfg.aux_loss_coef * balance
 
     def no_sync(self, model):
         stack = ExitStack()
@@ -98,7 +118,13 @@ class Parallel(Strategy):
             stack.enter_context(step.no_sync())
         return stack
 
+    def local_batch(self, x, y):
+        for step in self.steps:
+            x, y = step.local_batch(x, y)
+        return x, y
+
     def forward_backward(self, model, batches, autocast=None):
+        batches = [self.local_batch(x, y) for x, y in batches]
         if self.pipeline:
             return self.pipeline.forward_backward(self.parts, batches, self.stage_actions(len(batches)), self.loss_fn,
                                                   lambda: self.no_sync(model), autocast, self.scale_loss)
@@ -135,9 +161,11 @@ class Parallel(Strategy):
 
     @torch.no_grad()
     def evaluate_loss(self, model, x, y):
-        """This rank's mean loss on (x, y); with a pipeline, NaN on all but the last stage."""
+        """This rank's mean language-model loss on its share of (x, y); with a pipeline, NaN on all but
+        the last stage."""
+        x, y = self.local_batch(x, y)
         logits = self.pipeline.forward_only(self.parts, x) if self.pipeline else model(x)
-        return self.loss_fn(logits, y) if logits is not None else self.pipeline.no_loss()
+        return self.lm_loss(logits, y) if logits is not None else self.pipeline.no_loss()
 
     @torch.no_grad()
     def logits(self, model, idx):
@@ -145,7 +173,10 @@ class Parallel(Strategy):
         t = idx.shape[1]
         for step in self.steps:
             idx = step.sample_input(idx)
-        out = self.pipeline.forward_only(self.parts, idx) if self.pipeline else model(idx)
+        with ExitStack() as whole:
+            for step in self.steps:
+                whole.enter_context(step.whole_sequences())
+            out = self.pipeline.forward_only(self.parts, idx) if self.pipeline else model(idx)
         if out is not None:
             for step in reversed(self.steps):
                 out = step.full_logits(out)

@@ -5,7 +5,7 @@ same object is built from `labsupport train` flags, from `train.run(...)` keywor
 the benchmarks, and `check()` refuses a bad one with one line per mistake, naming the flag
 (or keyword) to change. The degrees follow the rank grid of `mesh.py`:
 
-    world size = dp x pp x tp
+    world size = dp x pp x cp x tp       (ep, expert parallel, divides dp: it borrows those ranks)
 
 The configuration checks the degrees and the batch; what each way of splitting needs (a
 divisible vocabulary, a schedule that exists, what it cannot combine with) it asks the steps of
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .compose import step_problems
+from .compose import Parallel, step_problems
 from .mesh import AXES
 from .registry import STRATEGIES
+
+
+DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a strategy may set above 1 (registry's Entry.axes)
 
 
 class ConfigError(ValueError):
@@ -37,6 +40,8 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                      # context parallel: the sequence cut over cp ranks (ring attention)
+    ep: int = 1                      # expert parallel: the experts spread over ep of the dp ranks
     zero: int | None = None          # None: not given, the strategy's default (registry)
     schedule: str = "1f1b"
     microbatches: int | None = None  # pipeline micro-batches per step (None: from --micro-batch, else pp)
@@ -61,18 +66,18 @@ class ParallelConfig:
               **options) -> "ParallelConfig":
         """The configuration for `world_size` ranks: dp defaults to what tp and pp leave of the world."""
         if dp is None:
-            dp = max(1, world_size // max(1, tp * pp))
+            dp = max(1, world_size // max(1, tp * pp * options.get("cp", 1)))
         return cls(strategy=strategy, dp=dp, tp=tp, pp=pp, **options)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def layout(self) -> dict:
         """What a checkpoint must match to be resumed: the strategy and the grid (and the model chunks
         per pipeline stage, which decide the layers each stage's file holds, where there are several)."""
-        chunks = {"chunks": self.chunks} if self.chunks > 1 else {}
-        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **chunks}
+        extra = {name: getattr(self, name) for name in ("chunks", "cp", "ep") if getattr(self, name) > 1}
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **extra}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,9 +88,9 @@ class ParallelConfig:
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
-        degrees = {axis: getattr(self, axis) for axis in AXES}
+        degrees = {axis: getattr(self, axis) for axis in (*AXES, "ep")}
         if min(degrees.values()) < 1:
-            return [f"--dp, --tp and --pp must be >= 1, got {self._grid()}"]
+            return [f"--dp, --tp, --pp, --cp and --ep must be >= 1, got {self._grid()} (--ep {self.ep})"]
         out = self._degree_problems(entry, world_size)
         zero = self._zero_problems(entry, grid_ok=not out)
         out += zero
@@ -95,9 +100,13 @@ class ParallelConfig:
             microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
         # The steps see what the strategy would run: a degree it does not split (reported above) as 1, a
         # refused --zero as 0, so one mistake is one line.
-        unsplit = {axis: 1 for axis in ("dp", "tp", "pp") if entry.axes and axis not in entry.axes}
+        unsplit = {axis: 1 for axis in DEGREES if entry.axes and axis not in entry.axes}
         out += step_problems(replace(self, **unsplit, **({"zero": 0} if zero else {})), model, microbatches)
-        out += entry.load().problems(self, model, microbatches)
+        cls = entry.load()
+        out += cls.problems(self, model, microbatches)
+        if model is not None and model.experts and not issubclass(cls, Parallel):
+            out.append(f"--experts: {self.strategy} is a reference that knows no mixture of experts; "
+                       "use single or ddp")
         return out + batch
 
     def _degree_problems(self, entry, world_size: int) -> list[str]:
@@ -108,8 +117,8 @@ class ParallelConfig:
             out.append(f"--tp {self.tp} needs at least {self.tp} ranks, but the run has {world_size} (--nproc)")
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
-                       "make dp x tp x pp equal the number of ranks")
-        for axis in ("dp", "tp", "pp"):
+                       f"make dp x tp x pp{' x cp' * (self.cp != 1)} equal the number of ranks")
+        for axis in DEGREES:
             if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
                 uses = " and ".join(entry.axes)
                 out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
@@ -138,7 +147,8 @@ class ParallelConfig:
             raise ConfigError(problems)
 
     def _grid(self) -> str:
-        return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}"
+        cp = f" x --cp {self.cp}" if self.cp != 1 else ""
+        return f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}{cp}"
 
     def micro_batch_size(self, global_batch: int, micro_batch: int | None = None) -> int:
         """Sequences per forward/backward: --micro-batch, else each data-parallel rank's share of

@@ -32,8 +32,16 @@ holds a block's scores at once and is several times slower).
 Use: `shard_sequence` gives a rank its share of a batch's positions (and `positions` their
 global indices, for position embeddings); `apply_context_parallel(module, group)` makes every
 causal `scaled_dot_product_attention` that `module`'s forward calls a ring attention over the
-group, until `.remove()`. Attention dropout is not supported (it would need the same random
-mask on every rank's share of the scores).
+group, until `.remove()` (or, for a while, `paused()`). Attention dropout is not supported (it
+would need the same random mask on every rank's share of the scores).
+
+In the training loop, `ContextParallelStep` is the step of the composition (compose.py): each of
+the cp ranks of one data-parallel index gets the same micro-batch and keeps its positions of it,
+tokens and targets alike; the model embeds them at their global positions; each rank's loss is the
+mean over its tokens. The parameters are replicated over the cp ranks, so data parallelism
+averages their gradients over dp x cp (mesh.py's DP-CP group, as Megatron-LM's): the mean of
+the cp ranks' mean losses is the mean over the sequence, their shares being equal. Sampling runs
+the whole sequence on every rank, with the ring paused.
 """
 from __future__ import annotations
 
@@ -43,8 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from contextlib import ExitStack, contextmanager
+
 from .. import comm
 from ..estimate.context import split_problems
+from .step import Step
 
 
 def check_split(seq_len: int, cp: int, balanced: bool) -> None:
@@ -262,16 +273,28 @@ class ContextParallel:
         self.module, self.group, self.balanced, self.kernel = module, group, balanced, kernel
         self.counts = {"forward": 0, "backward": 0}
         self._mode = None
+        self.active = True
         self._hooks = [module.register_forward_pre_hook(self._enter),
                        module.register_forward_hook(self._leave, always_call=True)]
 
     def _enter(self, module, args):
-        self._mode = _SDPAAsRing(self)
-        self._mode.__enter__()
+        if self.active:
+            self._mode = _SDPAAsRing(self)
+            self._mode.__enter__()
 
     def _leave(self, module, args, output):
-        self._mode.__exit__(None, None, None)
-        self._mode = None
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    @contextmanager
+    def paused(self):
+        """Forwards inside run the module's own attention, on whole sequences (sampling)."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -283,3 +306,60 @@ def apply_context_parallel(module: torch.nn.Module, group=None, balanced: bool =
                            kernel: str | None = None) -> ContextParallel:
     """Context parallelism on `module` (one attention, a block or a whole model) over `group`."""
     return ContextParallel(module, group, balanced, kernel)
+
+
+class ContextParallelStep(Step):
+    """`--cp C`: the sequence cut over the cp ranks of each data-parallel index (balanced split),
+    attention by the ring. See the module docstring; data parallelism does the gradient average."""
+
+    axis = "cp"
+
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        if config.cp == 1:
+            return []
+        out = []
+        if config.pp > 1:
+            out.append(f"--cp {config.cp} does not combine with --pp (a pipeline stage would have to pass on its "
+                       "share of the sequence); use --pp 1")
+        if config.zero:
+            out.append(f"--cp {config.cp} runs with --zero 0 only (its gradients are averaged by DDP's buckets over "
+                       "dp x cp); use --strategy ddp or tp")
+        if config.sequence_parallel:
+            out.append("--sequence-parallel cuts the sequence over the TP ranks, --cp over the CP ranks; use one")
+        if model is not None:
+            out += split_problems(model.seq_len, config.cp)
+            if model.dropout:
+                out.append(f"--cp {config.cp} has no attention dropout (every rank would need the same mask): "
+                           "use --dropout 0")
+        return out
+
+    def apply(self, parts, shared):
+        self.rank, self.cp = comm.get_rank(self.group), comm.get_world_size(self.group)
+        self.rings = [apply_context_parallel(part, self.group) for part in parts]
+        self._hooks = [part.register_forward_pre_hook(self._global_positions, with_kwargs=True) for part in parts]
+        return parts
+
+    def _global_positions(self, module, args, kwargs):
+        """Embed this rank's tokens at their places in the whole sequence."""
+        if not self.rings[0].active:
+            return None
+        x = args[0]
+        return args, {**kwargs, "positions": positions(x.shape[1] * self.cp, self.rank, self.cp, device=x.device)}
+
+    def local_batch(self, x, y):
+        return shard_sequence(x, self.rank, self.cp), shard_sequence(y, self.rank, self.cp)
+
+    @contextmanager
+    def whole_sequences(self):
+        with ExitStack() as stack:
+            for ring in self.rings:
+                stack.enter_context(ring.paused())
+            yield
+
+    def close(self):
+        for handle in self._hooks:
+            handle.remove()
+        for ring in self.rings:
+            ring.remove()
+

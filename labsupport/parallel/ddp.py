@@ -25,6 +25,10 @@ alone (and removes its hooks). Nothing is left for the cycle collector, or for i
 shutdown: `finish_gradient_synchronization()` returns once the group's backend has let go of the
 step's communication too (see `comm`).
 
+A parameter marked `allreduce = False` (Megatron-LM's mark, which expert parallelism puts on the
+experts: each rank of the group holds other experts) is not a replica: it is neither broadcast nor
+averaged here; its owner reduces its gradient (experts.py).
+
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
 `param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
 same parameters; with `find_unused_parameters` (bucketed mode) a parameter may also get a
@@ -66,15 +70,20 @@ def first_rank(group) -> int:
     return comm.global_rank(group, 0)
 
 
+def replicated(module) -> list[torch.nn.Parameter]:
+    """The parameters every rank of a data-parallel group holds alike: all but those marked `allreduce = False`."""
+    return [p for p in module.parameters() if getattr(p, "allreduce", True)]
+
+
 def check_replicas(model, group=None) -> None:
     """Raise if the group's ranks' parameters differ (e.g. seeded differently and never broadcast).
 
     Compares a fingerprint per parameter (sum and sum of squares, in float64): the largest and
     the smallest value over the group's ranks must agree.
     """
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, p in model.named_parameters() if getattr(p, "allreduce", True)]
     prints = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                          for p in model.parameters()])
+                          for p in replicated(model)])
     high, low = prints.clone(), prints.clone()
     comm.all_reduce(high, "max", group=group)
     comm.all_reduce(low, "min", group=group)
@@ -211,7 +220,7 @@ class DataParallel(torch.nn.Module):
         self._unhook = weakref.finalize(self, _remove_hooks, weakref.ref(module), self._hooks)
         self._unhook.atexit = False
         if broadcast_init:  # replicas must start identical: the group's first rank's values win
-            for tensor in [*module.parameters(), *module.buffers()]:
+            for tensor in [*replicated(module), *module.buffers()]:
                 comm.broadcast(tensor.data, src=first_rank(group), group=group)
         else:
             check_replicas(module, group)
@@ -219,7 +228,7 @@ class DataParallel(torch.nn.Module):
             self._make_buckets()
 
     def _trainable(self):
-        return [p for p in self.module.parameters() if p.requires_grad]  # frozen ones never communicate
+        return [p for p in replicated(self.module) if p.requires_grad]  # frozen ones never communicate
 
     def _make_buckets(self):
         current, size = [], 0
@@ -346,7 +355,8 @@ class DataParallel(torch.nn.Module):
 
 class DataParallelStep(Step):
     """`--dp D` with --zero 0 (`--ddp-mode`, `--bucket-mb`, `--find-unused-parameters`): the model
-    chunks averaged over the mesh's DP group by one DataParallel. The chunks are called directly
+    chunks averaged over the mesh's DP group by one DataParallel (with --cp, over the DP-CP group:
+    the parameters are replicated over both, mesh.py). The chunks are called directly
     (the pipeline's executor calls each one), so the wrapper only holds the gradient hooks. The
     parameters other ranks also hold (`shared`: the tied matrix on two pipeline stages) get buckets
     of their own, so that a flavour that shards buckets (ZeRO) cuts them alike on both stages."""
@@ -354,9 +364,13 @@ class DataParallelStep(Step):
     axis = "dp"
     zero_stages = (0,)  # the --zero values this flavour is
 
+    def __init__(self, mesh, config):
+        super().__init__(mesh, config)
+        self.group = mesh.replica_group
+
     @classmethod
     def applies(cls, config):
-        return config.zero in cls.zero_stages and (config.dp > 1 or config.zero > 0)
+        return config.zero in cls.zero_stages and (config.dp * config.cp > 1 or config.zero > 0)
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):

@@ -46,6 +46,15 @@ same way), and the gradient an expert gets on its rank is the sum of every rank'
 contributions: divide it by ep where the replicated ones are averaged (Megatron-LM's DDP scales
 its expert gradients by 1/dp, not by 1/expert-dp, for this reason).
 All communication goes through `comm`.
+
+In the training loop, `ExpertParallelStep` is the step of the composition (compose.py), with the
+rank layout of Megatron-LM and torchtitan: expert parallelism borrows the data-parallel ranks.
+The dp ranks are cut into groups of ep consecutive ones (mesh.py's "ep" group), each rank holding
+E/ep experts; the experts' parameters are marked `allreduce = False` (Megatron-LM's mark), so data
+parallelism neither broadcasts nor averages them, and the step sums their gradients over the ranks
+holding the same experts ("edp", expert data parallel) and divides by dp, which is single's
+gradient. An MoE layer routes the tokens of one micro-batch of its ep group together (capacity
+and the balancing loss see them all): one rank's micro-batch of ep x B sequences is the reference.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import MLP
+from .step import Step
 
 
 def problems(n_experts: int, top_k: int, capacity_factor: float | None, ep: int = 1) -> list[str]:
@@ -202,6 +212,18 @@ def _moes(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def aux_loss(module: nn.Module) -> torch.Tensor | None:
+    """The load-balancing losses of `module`'s MoE layers after a forward, summed over the layers
+    (as Switch Transformer sums them); None without MoE layers."""
+    losses = [m.aux_loss for m in _moes(module) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def load(module: nn.Module) -> list[dict]:
+    """Each MoE layer's last forward: assignments routed to and dropped by each expert, and the capacity."""
+    return [m.load for m in _moes(module) if m.load is not None]
+
+
 def apply_expert_parallel(module: nn.Module, group) -> nn.Module:
     """Spread the experts of every MoE in `module` over `group`, in place: the group's first rank's
     router and experts are broadcast, then each rank keeps its E/ep experts. The same computation
@@ -214,6 +236,8 @@ def apply_expert_parallel(module: nn.Module, group) -> nn.Module:
         per_rank = moe.n_experts // ep
         moe.experts = nn.ModuleDict({e: expert for e, expert in moe.experts.items()
                                      if int(e) // per_rank == me})
+        for p in moe.experts.parameters():
+            p.allreduce = False  # not a replica: data parallelism leaves it to its expert group (ddp.py)
         moe.group = group
     return module
 
@@ -230,6 +254,60 @@ def remove_expert_parallel(module: nn.Module) -> nn.Module:
             expert = moe.experts[str(e)] if str(e) in moe.experts else copy.deepcopy(template)
             for p in expert.parameters():
                 comm.broadcast(p.data, src=comm.global_rank(group, e // per_rank), group=group)
+                p.__dict__.pop("allreduce", None)
             experts[str(e)] = expert
         moe.experts, moe.group = nn.ModuleDict(experts), None
     return module
+
+
+class ExpertParallelStep(Step):
+    """`--ep E` with `--experts`: the experts spread over groups of E data-parallel ranks; the expert
+    gradients summed over the ranks holding the same experts and divided by dp (module docstring).
+    It also owns the checks of the mixture-of-experts options, whether it applies or not."""
+
+    axis = "ep"
+
+    @classmethod
+    def problems(cls, config, model=None, microbatches=None):
+        out = []
+        if config.dp % config.ep:
+            out.append(f"--ep {config.ep} must divide --dp {config.dp}: expert parallelism spreads the experts "
+                       "over data-parallel ranks")
+        if model is None:
+            return out
+        if not model.experts:
+            return out + ([f"--ep {config.ep} spreads experts over ranks, but the model has none: add --experts E"]
+                          if config.ep > 1 else [])
+        out += problems(model.experts, model.top_k, model.capacity_factor, config.ep)
+        if max(config.tp, config.pp, config.cp) > 1:
+            out.append("--experts runs with --dp and --ep only, not with --tp, --pp or --cp")
+        if config.zero:
+            out.append("--experts runs with --zero 0 only (ZeRO's shards would cut across the experts that "
+                       "expert parallelism spreads); use --strategy ddp")
+        return out
+
+    def apply(self, parts, shared):
+        for part in parts:
+            apply_expert_parallel(part, self.group)
+        self.experts = [p for part in parts for p in part.parameters() if not getattr(p, "allreduce", True)]
+        self.edp = self.mesh.groups["edp"] if self.mesh.dp > self.mesh.ep else None
+        return parts
+
+    def finish_backward(self):
+        for p in self.experts:  # an expert no token of this rank's group reached: a zero gradient here
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.experts]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.edp is not None:
+            comm.all_reduce(flat, "sum", group=self.edp)
+        flat /= self.mesh.dp
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+    def norm(self, counted, scaled):
+        """Every rank of the ep group counts its own experts, the replicated rest on its first rank."""
+        mine = {id(p) for p in self.experts}
+        first = comm.get_rank(self.group) == 0
+        return [p for p in counted if id(p) in mine or first], scaled, self.group
+

@@ -1,63 +1,102 @@
-"""The rank grid: data x pipeline x tensor parallel, and every rank's process groups.
+"""The rank grid: data x pipeline x context x tensor parallel, and every rank's process groups.
 
-Ranks are laid out as in picotron's process-group manager and Megatron-LM: tensor parallel
-varies fastest, so the ranks of a TP group are neighbours, i.e. on the same node (TP talks
-after every layer and needs NVLink); then the pipeline stage; data parallel varies slowest:
+Ranks are laid out as in picotron's process-group manager and Megatron-LM (labsupport/grid.py):
+tensor parallel varies fastest, so the ranks of a TP group are neighbours, i.e. on the same node
+(TP talks after every layer and needs NVLink); then context parallel; then the pipeline stage;
+data parallel varies slowest:
 
-    rank = (d * pp + p) * tp + t        for coordinates (d, p, t)
+    rank = ((d * pp + p) * cp + c) * tp + t        for coordinates (d, p, c, t)
 
-A rank's TP group is the ranks that differ from it in t only, its PP group those that differ
-in p only, its DP group those that differ in d only. Creating a group is a collective over
-the whole world, so every rank creates every group, in the same order, member or not.
-With a pipeline, each pipeline's first and last stage also form an embedding group (they
-hold the two copies of the tied embedding / LM head matrix; parallel/pipeline.py).
+A rank's group along an axis is the ranks that differ from it in that coordinate only. Creating a
+group is a collective over the whole world, so every rank creates every group, in the same order,
+member or not. Beyond the four axes:
+
+* with a pipeline, each pipeline's first and last stage form an embedding group (they hold the
+  two copies of the tied embedding / LM head matrix; parallel/pipeline.py);
+* with context parallelism, the ranks that differ in d or c form the "dp_cp" group: the
+  parameters are replicated over both, so data parallelism averages their gradients over it
+  (Megatron-LM's DP-CP group);
+* expert parallelism is no axis of its own: as in Megatron-LM and torchtitan it borrows the
+  data-parallel ranks. A DP group's ranks are cut into groups of `ep` consecutive d: the "ep"
+  group, over which the experts are spread; the ranks holding the same experts (same d mod ep)
+  form the "edp" group (expert data parallel), over which those experts' gradients are averaged.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grid import AXES, coordinates, groups_along, rank_of
+from ..grid import MESH_AXES, coordinates, cp_coordinate, groups_along, rank_of
+
+AXES = MESH_AXES
 
 
 @dataclass
 class Mesh:
-    """This rank's place in a dp x pp x tp grid and its three process groups.
+    """This rank's place in a dp x pp x cp x tp grid and its process groups.
 
     On one process (or before torch.distributed is initialized) the groups are None, which
-    comm treats as the world of one rank.
+    comm treats as the world of one rank. The cp, dp_cp, ep and edp groups exist only where
+    their degree is above 1.
     """
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     rank: int = 0
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
         from .. import comm
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a grid of {self.world_size} ranks")
-        self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, self.pp, self.tp)
-        self.groups = {axis: None for axis in AXES}
+        if self.dp % self.ep:
+            raise ValueError(f"ep {self.ep} must divide dp {self.dp}: expert parallelism splits the data-parallel ranks")
+        self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, self.pp, self.tp, self.cp)
+        self.cp_rank = cp_coordinate(self.rank, self.tp, self.cp)
+        self.ep_rank = self.dp_rank % self.ep
+        self.groups = {axis: None for axis in (*AXES, "dp_cp", "ep", "edp")}
         self.embedding_group = None
         if comm.get_world_size() > 1:
-            for axis in ("tp", "pp", "dp"):  # the same order on every rank
-                for members in groups_along(axis, self.dp, self.pp, self.tp):
-                    group = comm.new_group(members, name=axis)
-                    if self.rank in members:
-                        self.groups[axis] = group
+            axes = ("tp", "cp", "pp", "dp") if self.cp > 1 else ("tp", "pp", "dp")
+            for axis in axes:  # the same order on every rank
+                self._make(axis, groups_along(axis, self.dp, self.pp, self.tp, self.cp))
+            if self.cp > 1:
+                self._make("dp_cp", [[rank_of(d, p, t, self.pp, self.tp, c, self.cp)
+                                      for d in range(self.dp) for c in range(self.cp)]
+                                     for p in range(self.pp) for t in range(self.tp)])
+            if self.ep > 1:
+                dp_groups = groups_along("dp", self.dp, self.pp, self.tp, self.cp)
+                self._make("ep", [g[i:i + self.ep] for g in dp_groups for i in range(0, self.dp, self.ep)])
+                self._make("edp", [g[e::self.ep] for g in dp_groups for e in range(self.ep)])
             if self.pp > 1:  # Megatron-LM's embedding group: the first and last stage share the tied matrix
-                for members in groups_along("pp", self.dp, self.pp, self.tp):
+                for members in groups_along("pp", self.dp, self.pp, self.tp, self.cp):
                     group = comm.new_group([members[0], members[-1]], name="embedding")
                     if self.rank in (members[0], members[-1]):
                         self.embedding_group = group
 
+    def _make(self, name: str, groups: list[list[int]]) -> None:
+        """Create every group of `groups` (each rank creates all of them) and keep this rank's."""
+        from .. import comm
+        for members in groups:
+            group = comm.new_group(members, name=name)
+            if self.rank in members:
+                self.groups[name] = group
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     dp_group = property(lambda self: self.groups["dp"])
     pp_group = property(lambda self: self.groups["pp"])
     tp_group = property(lambda self: self.groups["tp"])
+    cp_group = property(lambda self: self.groups["cp"])
+
+    @property
+    def replica_group(self):
+        """The ranks holding the same replicated (dense) parameters, whose gradients data parallelism
+        averages: the DP group, or with context parallelism the DP-CP group."""
+        return self.groups["dp_cp"] if self.cp > 1 else self.groups["dp"]
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,23 +107,28 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     def stage_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage `stage` in this rank's pipeline (same d and t)."""
-        return rank_of(self.dp_rank, stage, self.tp_rank, self.pp, self.tp)
+        """Global rank of pipeline stage `stage` in this rank's pipeline (same d, c and t)."""
+        return rank_of(self.dp_rank, stage, self.tp_rank, self.pp, self.tp, self.cp_rank, self.cp)
 
     @property
     def prev_stage_rank(self) -> int | None:
-        """Global rank of the previous pipeline stage (same d and t), None on the first stage."""
-        return None if self.is_first_stage else rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank, self.pp, self.tp)
+        """Global rank of the previous pipeline stage (same d, c and t), None on the first stage."""
+        return None if self.is_first_stage else self.stage_rank(self.pp_rank - 1)
 
     @property
     def next_stage_rank(self) -> int | None:
-        return None if self.is_last_stage else rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank, self.pp, self.tp)
+        return None if self.is_last_stage else self.stage_rank(self.pp_rank + 1)
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: dp {self.dp_rank}/{self.dp}, pp {self.pp_rank}/{self.pp}, "
-                f"tp {self.tp_rank}/{self.tp}")
+        cp = f", cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""
+        ep = f", ep {self.ep_rank}/{self.ep}" if self.ep > 1 else ""
+        return (f"rank {self.rank}: dp {self.dp_rank}/{self.dp}, pp {self.pp_rank}/{self.pp}{cp}, "
+                f"tp {self.tp_rank}/{self.tp}{ep}")
 
     def device_mesh(self, device_type: str = "cpu"):
-        """The same grid as torch's DeviceMesh (dims named dp, pp, tp), for the torch references."""
+        """The same grid as torch's DeviceMesh (dims named dp, pp, tp; cp between them when above 1),
+        for the torch references."""
         from .. import comm
-        return comm.device_mesh(device_type, (self.dp, self.pp, self.tp), AXES)
+        if self.cp > 1:
+            return comm.device_mesh(device_type, (self.dp, self.pp, self.cp, self.tp), AXES)
+        return comm.device_mesh(device_type, (self.dp, self.pp, self.tp), ("dp", "pp", "tp"))

@@ -14,7 +14,7 @@ from .compose import Parallel
 
 class Entry(NamedTuple):
     load: Callable[[], type]  # the strategy's class
-    axes: tuple[str, ...]     # the degrees of ParallelConfig it may set above 1
+    axes: tuple[str, ...]     # the degrees of ParallelConfig it may set above 1 (dp, tp, pp, cp, ep)
     zero: int | None = 0      # the ZeRO stage the name fixes (zeroK: K; ddp: 0); None: --zero chooses
     default_zero: int = 0     # the stage when --zero is not given, where it chooses
 
@@ -71,7 +71,7 @@ def torch_pp():
 
 STRATEGIES = {
     "single": preset(()),
-    "ddp": preset(("dp",)),
+    "ddp": preset(("dp", "cp", "ep")),
     "torch-ddp": Entry(torch_ddp, ("dp",)),
     "accelerate-ddp": Entry(accelerate_ddp, ("dp",)),
     "zero1": preset(("dp",), zero=1),
@@ -82,7 +82,7 @@ STRATEGIES = {
     "accelerate-fsdp": Entry(accelerate_fsdp, ("dp",), zero=None, default_zero=3),  # it refuses 1
     "deepspeed": Entry(deepspeed_zero, ("dp",), zero=None, default_zero=1),  # ZeRO-1: the workshop's Frontier runs
     "accelerate-deepspeed": Entry(accelerate_deepspeed, ("dp",), zero=None, default_zero=2),  # it refuses 0
-    "tp": preset(("tp",)),
+    "tp": preset(("tp", "cp")),
     "torch-tp": Entry(torch_tp, ("tp",)),
     "pp": preset(("pp",)),
     "torch-pp": Entry(torch_pp, ("pp",)),

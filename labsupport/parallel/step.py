@@ -13,7 +13,7 @@ import torch
 class Step:
     """One way of splitting training, on one axis of the mesh. Override what the mechanism changes."""
 
-    axis = ""  # the mesh axis it splits over: "pp", "tp" or "dp"
+    axis = ""  # the mesh axis it splits over: "pp", "tp", "cp", "dp", or "ep" (the dp ranks' expert groups)
 
     def __init__(self, mesh, config):
         self.mesh, self.config = mesh, config
@@ -47,6 +47,15 @@ class Step:
     def loss(self, logits, targets):
         """Per-token loss, where the step holds the logits differently (TP: vocabulary shards)."""
         return None
+
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a micro-batch's tokens and targets (context parallelism: its positions)."""
+        return x, y
+
+    def whole_sequences(self):
+        """Context for forwards on whole sequences on every rank (sampling): a step that cuts the
+        sequence steps aside."""
+        return nullcontext()
 
     def no_sync(self):
         """Context for backwards before a step's last: accumulate locally, communicate nothing."""
