@@ -120,7 +120,12 @@ class ParallelConfig:
                        f"make dp x tp x pp{' x cp' * (self.cp != 1)} equal the number of ranks")
         for axis in DEGREES:
             if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
-                uses = " and ".join(entry.axes)
+                if axis in ("cp", "ep"):
+                    takers = ", ".join(name for name, e in STRATEGIES.items() if axis in e.axes)
+                    out.append(f"strategy {self.strategy!r} does not run --{axis} (got {getattr(self, axis)}); "
+                               f"it runs with: {takers}")
+                    continue
+                uses = " and ".join(a for a in entry.axes if a in ("dp", "tp", "pp"))
                 out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
                            f"(got {getattr(self, axis)})")
         return out

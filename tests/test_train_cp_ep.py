@@ -1,0 +1,98 @@
+"""`labsupport train --cp C` and `--experts E --ep E'` against `single`: losses, every step's gradient norm,
+validation loss and sampled text, through the shared harness (one launch per configuration); the
+process groups that carry their traffic; and bad input refused in one line before any rank starts.
+
+Context parallelism is compared with single on NANO_10 (the reference test_three_d shares; its
+sample checks that generation runs whole sequences, the ring paused). A mixture of experts routes
+the tokens of one micro-batch of an expert-parallel group together (capacity and balancing loss see
+them all), so single's reference runs micro-batches of ep x the ranks' micro-batch, the same
+sequences: on 2 ranks (ep = dp) the whole batch, with no capacity (nothing dropped); on 4 ranks
+(dp 4, ep 2) each expert group routes half the batch, as single's micro-batches of 4, with a
+capacity that drops tokens (the same ones must be dropped). Without validation: an evaluation
+routes each rank's whole share at once, other groups than single's.
+Each launch's start is most of its cost: one launch per configuration, references shared.
+"""
+import pytest
+
+from conftest import cli
+from harness import NANO_10, assert_same_as_single, assert_traffic_in, single, train
+from labsupport.parallel import ConfigError, ParallelConfig
+from labsupport.parallel.context import ContextParallelStep
+from labsupport.train import build_parser, validate
+
+MOE = ("--model", "nano", "--seq-len", "32", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
+       "--eval-batches", "0", "--experts", "4", "--top-k", "2")
+DROPS = ("--capacity-factor", "1.0")  # an expert takes its balanced share: some tokens dropped at every step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, nproc, grid, groups", [
+    ("ddp", 2, ["--cp", "2"], {"cp", "dp_cp"}),
+    ("ddp", 4, ["--dp", "2", "--cp", "2"], {"cp", "dp_cp"}),
+    ("tp", 4, ["--tp", "2", "--cp", "2"], {"cp", "dp_cp", "tp"}),
+])
+def test_context_parallel_equals_single(strategy, nproc, grid, groups):
+    """The sequence split over the ring, the sample drawn from whole sequences; the ring's sends in
+    the cp group, the gradient average (and the loss) over dp x cp."""
+    out = train(strategy, nproc, *grid, settings=NANO_10)
+    assert_same_as_single(out, single(settings=NANO_10))
+    assert_traffic_in(out, groups, exact=True)
+    for by_group in out["comm_groups"]:
+        assert {"send", "recv"} <= set(by_group["cp"]) and "all_reduce" in by_group["dp_cp"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nproc, extra, single_extra, groups", [
+    (2, [], [], {"ep", "dp"}),  # dp 2 = ep 2: each rank 2 of the 4 experts
+    # dp 4, ep 2: two expert groups, each expert's gradient summed with its twin's in the other (edp)
+    (4, [*DROPS, "--micro-batch", "2"], [*DROPS, "--micro-batch", "4"], {"ep", "edp", "dp"}),
+])
+def test_expert_parallel_equals_single(nproc, extra, single_extra, groups):
+    out = train("ddp", nproc, "--ep", "2", *extra, settings=MOE)
+    ref = single(*single_extra, settings=MOE)
+    dropped = sum(sum(layer["dropped"]) for layer in ref["expert_load"])
+    assert bool(dropped) == bool(extra), f"{dropped} tokens dropped in single's last micro-batch"
+    assert_same_as_single(out, ref, val_tol=None)
+    assert_traffic_in(out, groups, exact=True)
+    assert all("all_to_all" in by_group["ep"] for by_group in out["comm_groups"])
+    if nproc == 2:  # rank 0's last micro-batch is routed with the same sequences as single's
+        assert out["expert_load"] == ref["expert_load"]
+
+
+@pytest.mark.parametrize("nproc, args, message", [
+    (2, ["--strategy", "ddp", "--cp", "2", "--seq-len", "30"],
+     "the sequence length 30 does not split into 2 x cp = 4 chunks (the balanced split); use a multiple of 4"),
+    (2, ["--strategy", "zero1", "--cp", "2"], "strategy 'zero1' does not run --cp (got 2); it runs with: ddp, tp"),
+    (2, ["--strategy", "ddp", "--cp", "2", "--dropout", "0.1"], "--cp 2 has no attention dropout"),
+    (4, ["--strategy", "tp", "--tp", "2", "--cp", "2", "--sequence-parallel"],
+     "--sequence-parallel cuts the sequence over the TP ranks, --cp over the CP ranks; use one"),
+    (1, ["--strategy", "single", "--cp", "2"], "--dp 1 x --tp 1 x --pp 1 x --cp 2 = 2 ranks, but the run has 1"),
+    (2, ["--strategy", "ddp", "--ep", "2"], "--ep 2 spreads experts over ranks, but the model has none: add --experts E"),
+    (2, ["--strategy", "ddp", "--experts", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
+    (4, ["--strategy", "ddp", "--experts", "6", "--ep", "4"], "6 experts do not split evenly over 4 expert-parallel"),
+    (1, ["--strategy", "single", "--experts", "2", "--top-k", "3"], "top_k 3: each token chooses between 1 and"),
+    (2, ["--strategy", "ddp", "--cp", "2", "--experts", "4"], "--experts runs with --dp and --ep only"),
+    (2, ["--strategy", "tp", "--tp", "2", "--experts", "4"], "--experts runs with --dp and --ep only"),
+    (2, ["--strategy", "zero1", "--experts", "4"], "--experts runs with --zero 0 only"),
+    (2, ["--strategy", "torch-ddp", "--experts", "4"], "torch-ddp is a reference that knows no mixture of experts"),
+    (2, ["--strategy", "ddp", "--experts", "-1"], "--experts must be >= 0"),
+])
+def test_bad_input_is_one_line_before_any_rank(nproc, args, message):
+    with pytest.raises(ConfigError) as refused:
+        validate(build_parser().parse_args(["--model", "nano", *args]), nproc)
+    assert refused.value.problems == [pytest.approx(refused.value.problems[0])] and message in str(refused.value)
+
+
+def test_the_command_line_refuses_before_starting(tmp_path):
+    res = cli("train", "--strategy", "ddp", "--nproc", "2", "--model", "nano", "--ep", "2", "--run-dir", tmp_path / "run")
+    assert res.returncode == 2 and "add --experts E" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "no rank started"
+
+
+def test_context_parallel_refuses_what_it_does_not_combine_with():
+    """Presets stop these first; the step still owns the rule (a preset allowing cp and pp would meet it)."""
+    assert ContextParallelStep.problems(ParallelConfig(cp=2, pp=2)) == [
+        "--cp 2 does not combine with --pp (a pipeline stage would have to pass on its share of the sequence); "
+        "use --pp 1"]
+    assert ContextParallelStep.problems(ParallelConfig(strategy="3d", cp=2, dp=2, zero=3))[0].startswith(
+        "--cp 2 runs with --zero 0 only")
