@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 from matplotlib.ticker import PercentFormatter
 
-from .collectives import RANK_COLORS
+from .collectives import RANK_COLORS, _wrap
 from .figure import NotebookFigure, figure_png
 
 UI_SIZES = (2, 3, 4, 5, 6, 8)  # ranks offered in the menu
@@ -203,25 +203,33 @@ def _draw_load(ax, walk: RingWalk, k: int, fontsize: float) -> None:
         ax.spines[side].set_visible(False)
 
 
+LEGEND = ("solid: computed at this step (r2: by rank 2); pale: at an earlier step; grey: hidden by the causal "
+          "mask, skipped; m, l: the row's running max and sum")
+
+
 def draw(fig: Figure, walk: RingWalk, k: int, text: bool = True) -> None:
-    """Clear `fig` and draw step k: the score matrix, the load per rank, and (`text`) the state lines."""
+    """Clear `fig` and draw step k: the score matrix, the load per rank, the legend and (`text`) the state lines."""
     n = walk.n_chunks
     lines = state_lines(walk, k) if text else []
     matrix = 0.42 * n + 1.0
     width = max(8.5, matrix + 4.5)
     line = FONT * 1.35 / 72
-    height = matrix + 0.5 + line * (len(lines) + 1)
+    legend = _wrap(LEGEND, int(width * 72 / (0.56 * FONT)) - 4)
+    below = 0.3 + line * (len(lines) + legend.count("\n") + 1.5)
+    height = matrix + 0.45 + below
     fig.clear()
     fig.set_size_inches(width, height)
     split = "balanced" if walk.balanced else "plain"
     fig.suptitle(f"ring attention, causal, {walk.cp} ranks, {split} split: step {k + 1} of {walk.cp}",
                  fontsize=FONT + 1, x=0.02, y=1 - 0.05 / height, ha="left", va="top")
-    top, bottom = 1 - 0.75 / height, (0.25 + line * (len(lines) + 1)) / height
+    top, bottom = 1 - 0.75 / height, below / height
     left_ax = fig.add_axes((0.7 / width, bottom, (matrix - 0.7) / width, top - bottom))
     _draw_matrix(left_ax, walk, k, FONT)
     load_ax = fig.add_axes(((matrix + 0.9) / width, bottom + 0.35 * (top - bottom), (width - matrix - 1.2) / width,
                             0.5 * (top - bottom)))
     _draw_load(load_ax, walk, k, FONT)
+    fig.text(0.02, (0.1 + line * (len(lines) + 0.4)) / height, legend, fontsize=FONT, color="#555555",
+             ha="left", va="bottom")
     if lines:
         fig.text(0.02, 0.1 / height, "\n".join(lines), fontsize=FONT, family="monospace", ha="left", va="bottom",
                  linespacing=1.25)
