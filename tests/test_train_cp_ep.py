@@ -1,5 +1,5 @@
-"""`labsupport train --cp C` and `--experts E --ep E'` against `single`: losses, every step's gradient norm,
-validation loss and sampled text, through the shared harness (one launch per configuration); the
+"""`labsupport train --cp C` and `--experts E --ep P` against `single`: losses, every step's gradient norm,
+validation loss, sampled text and parameters where the settings have them, through the shared harness (one launch per configuration); the
 process groups that carry their traffic; and bad input refused in one line before any rank starts.
 
 Context parallelism is compared with single on NANO_10 (the reference test_three_d shares; its
@@ -33,9 +33,14 @@ DROPS = ("--capacity-factor", "1.0")  # an expert takes its balanced share: some
 ])
 def test_context_parallel_equals_single(strategy, nproc, grid, groups):
     """The sequence split over the ring, the sample drawn from whole sequences; the ring's sends in
-    the cp group, the gradient average (and the loss) over dp x cp."""
+    the cp group, the gradient average (and the loss) over dp x cp. Without TP every rank holds
+    whole parameters: rank 0's last checkpoint is single's to 5e-4, not the harness's 1e-4. The
+    ring's blocks go through torch's fused flash kernel, single's attention through SDPA's math:
+    their gradients differ by ~1e-9 (measured on one rank), which is 1e-2 of the gradient elements
+    near 1e-7 (in mlp.proj.weight), and Adam turns those into up to 1.3e-4 in 10 steps."""
     out = train(strategy, nproc, *grid, settings=NANO_10)
-    assert_same_as_single(out, single(settings=NANO_10))
+    assert_same_as_single(out, single(settings=NANO_10), params="whole" if strategy == "ddp" else None,
+                          param_atol=5e-4)
     assert_traffic_in(out, groups, exact=True)
     for by_group in out["comm_groups"]:
         assert {"send", "recv"} <= set(by_group["cp"]) and "all_reduce" in by_group["dp_cp"]
@@ -80,7 +85,7 @@ def test_expert_parallel_equals_single(nproc, extra, single_extra, groups):
 def test_bad_input_is_one_line_before_any_rank(nproc, args, message):
     with pytest.raises(ConfigError) as refused:
         validate(build_parser().parse_args(["--model", "nano", *args]), nproc)
-    assert refused.value.problems == [pytest.approx(refused.value.problems[0])] and message in str(refused.value)
+    assert len(refused.value.problems) == 1 and message in refused.value.problems[0]
 
 
 def test_the_command_line_refuses_before_starting(tmp_path):

@@ -55,6 +55,8 @@ parallelism neither broadcasts nor averages them, and the step sums their gradie
 holding the same experts ("edp", expert data parallel) and divides by dp, which is single's
 gradient. An MoE layer routes the tokens of one micro-batch of its ep group together (capacity
 and the balancing loss see them all): one rank's micro-batch of ep x B sequences is the reference.
+With a capacity, evaluation (each rank's whole share routed at once) and sampling (every rank
+routing the same tokens) drop other tokens than one rank would; without one, nothing differs.
 """
 from __future__ import annotations
 

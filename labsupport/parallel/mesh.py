@@ -19,15 +19,14 @@ member or not. Beyond the four axes:
 * expert parallelism is no axis of its own: as in Megatron-LM and torchtitan it borrows the
   data-parallel ranks. A DP group's ranks are cut into groups of `ep` consecutive d: the "ep"
   group, over which the experts are spread; the ranks holding the same experts (same d mod ep)
-  form the "edp" group (expert data parallel), over which those experts' gradients are averaged.
+  form the "edp" group (expert data parallel), over which those experts' gradients are reduced.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grid import MESH_AXES, coordinates, cp_coordinate, groups_along, rank_of
-
-AXES = MESH_AXES
+from ..grid import MESH_AXES as AXES
+from ..grid import coordinates, cp_coordinate, groups_along, rank_of
 
 
 @dataclass
