@@ -562,6 +562,64 @@ def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys
     assert grade("place_rank", solution("place_rank"), capsys)[0] == ex.SOLVED
 
 
+# ---------------------------------------------------------------- notebook 07: context and experts
+
+MERGE_WRONG = [
+    ("lse = torch.logaddexp(lse1, lse2)", "lse = torch.log(torch.exp(lse1) + torch.exp(lse2))",
+     r"with scores in the hundreds your lse or out holds inf or nan: exp .* overflows"),
+    ("lse = torch.logaddexp(lse1, lse2)", "lse = torch.maximum(lse1, lse2)", r"that is the larger of the two"),
+    ("lse = torch.logaddexp(lse1, lse2)", "lse = lse1 + lse2", r"that is lse1 \+ lse2"),
+    ("out = out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None]",
+     "out = (out1 + out2) / 2", r"the lse is right but .* plain mean of the two outputs"),
+]
+
+
+def test_online_softmax_merge_reference_passes(capsys):
+    status, out = grade("online_softmax_merge", solution("online_softmax_merge"), capsys)
+    assert status == ex.SOLVED and "scores of about 1 and in the hundreds" in out, out
+
+
+@pytest.mark.parametrize("old, new, feedback", MERGE_WRONG)
+def test_online_softmax_merge_wrong_answers_get_their_feedback(old, new, feedback, capsys):
+    status, message = grade("online_softmax_merge", mutate("online_softmax_merge", old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+RING_STEP_WRONG = [
+    ("return out, merged, k_next, v_next", "return out, merged, k, v",
+     r"after step 0 rank \d holds rank \d's K block; it should hold rank \d's, received from the previous rank"),
+    ("+ block_out * torch.exp", "+ 0 * block_out * torch.exp", r"the lse is right: check how the outputs are weighed"),
+]
+
+DISPATCH_WRONG = [
+    ("order = choice.argsort(stable=True)", "order = torch.arange(len(choice))",
+     r"the counts are right but the rows in `order` go to ranks \[.*\]: .* sort by expert"),
+    ("choice // (n_experts // ep)", "choice % ep", r"send_counts is \[\d+, \d+\], the choices .* need"),
+]
+
+
+@pytest.mark.multiprocess
+def test_context_and_experts_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
+    for name in ("ring_step", "dispatch"):
+        status, out = grade(name, solution(name), capsys)
+        assert status == ex.SOLVED, out
+    for name, cases in (("ring_step", RING_STEP_WRONG), ("dispatch", DISPATCH_WRONG)):
+        for old, new, feedback in cases:
+            status, message = grade(name, mutate(name, old, new), capsys)
+            assert status == ex.WRONG and re.search(feedback, message), (new, message)
+    template = "def dispatch(choice, n_experts, ep):\n    raise NotImplementedError\n"
+    assert grade("dispatch", template, capsys)[0] == ex.UNSOLVED
+    # the causal mask built from local positions: a plausible loss, gradients off; the symptom names no cause
+    buggy = mutate("causal_ring_attention", "rank * c + torch.arange(c)", "torch.arange(c)").replace(
+        "owner * c + torch.arange(c)", "torch.arange(c)")
+    status, out = grade("causal_ring_attention", buggy, capsys)
+    assert status == ex.BUGGY and "🐞 causal_ring_attention" in out, out
+    assert re.search(r"the loss is [\d.]+ \(dense attention's: [\d.]+\), and the gradients are not the dense ones: "
+                     r"d[qkv] on rank \d is \d+% off", out), out
+    assert "position" not in out and "mask" not in out, out
+    assert grade("causal_ring_attention", solution("causal_ring_attention"), capsys)[0] == ex.SOLVED
+
+
 # ---------------------------------------------------------------- the attendee's copy (make lab)
 
 def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(tmp_path):

@@ -36,7 +36,7 @@ from typing import Callable
 
 # The notebooks' exercise modules, imported on first use (each registers its exercises).
 MODULES = ("nb00_collectives", "nb01_single_device", "nb02_data_parallel", "nb03_zero", "nb04_tensor_parallel",
-           "nb05_pipeline_parallel", "nb06_3d_parallelism")
+           "nb05_pipeline_parallel", "nb06_3d_parallelism", "nb07_context_and_experts")
 
 SOLVED, UNSOLVED, WRONG, BUGGY = "solved", "not solved yet", "wrong", "bug not fixed yet"
 

@@ -1,0 +1,447 @@
+"""Notebook 07's exercises: the online-softmax merge of two partial attention results (in one
+process), one step of ring attention on real ranks, a find-the-bug lab (a ring attention whose
+causal mask compares local positions: the loss is a plausible number, the gradients are not the
+dense ones), and the dispatch of a mixture-of-experts layer's all-to-all on real ranks.
+
+The checks hold each answer to the dense computation on one process: softmax attention over the
+whole sequence (`torch.nn.functional.scaled_dot_product_attention`), and for the dispatch each
+token through its own expert. The ring exercises use the plain split (rank r holds the r-th of cp
+contiguous pieces), so that the positions are easy to write down; the library's balanced split
+(`labsupport.parallel.context`) changes which pieces, not the mechanism.
+
+`attend`, `merge` and `pass_on` are the pieces the bug lab's ring is written with: a block's
+attention under any mask, the merge, and the hop to the next rank (with its backward, the hop back).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from . import on_ranks
+from .exercise import Exercise, Unsolved, Wrong, attempt, register
+
+RANKS = 2
+HANG = "Every rank must post its send and its receive; on two ranks the next rank is also the previous one"
+
+
+# ---------------------------------------------------------------- the pieces of a ring
+
+def attend(q, k, v, visible=None):
+    """One block's attention: (output, log-sum-exp of each query row's scores), under the boolean
+    mask `visible` (query rows x key columns, True = may attend; None = all). A row that sees no key
+    gets output 0 and log-sum-exp -inf: it contributes nothing when merged."""
+    import torch
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # a row with no key: exp(-inf - -inf) is nan
+    return p @ v, lse
+
+
+def merge(out1, lse1, out2, lse2):
+    """The online-softmax merge of two partial results over disjoint sets of keys."""
+    import torch
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).nan_to_num(0.0)[..., None]  # both -inf (no key yet): weight 0
+    w2 = torch.exp(lse2 - lse).nan_to_num(0.0)[..., None]
+    return out1 * w1 + out2 * w2, lse
+
+
+@functools.cache
+def _pass_on_function():
+    """The hop as an autograd function: K/V to the next rank in forward; in backward each block's
+    gradient goes back to the rank it came from, so every rank's contribution reaches the owner."""
+    import torch
+
+    from .. import comm
+    from ..parallel.context import _pass_on
+
+    class PassOn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, k, v):
+            return tuple(_pass_on([k.contiguous(), v.contiguous()], None)())
+
+        @staticmethod
+        def backward(ctx, dk, dv):
+            me, n = comm.get_rank(), comm.get_world_size()
+            dk, dv = dk.contiguous(), dv.contiguous()
+            back = [torch.empty_like(dk), torch.empty_like(dv)]
+            works = comm.batch_isend_irecv([("send", dk, (me - 1) % n, 0),
+                                            ("send", dv, (me - 1) % n, 1),
+                                            ("recv", back[0], (me + 1) % n, 0), ("recv", back[1], (me + 1) % n, 1)])
+            for work in works:
+                work.wait()
+            return tuple(back)
+    return PassOn
+
+
+def pass_on(k, v):
+    """Send this rank's K/V block to the next rank of the ring; return the previous rank's."""
+    return _pass_on_function().apply(k, v)
+
+
+def _case(batch=1, heads=2, seq=8, head_dim=4, seed=0):
+    """q, k, v of the whole sequence, the same on every rank."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, seq, head_dim, generator=g) for _ in range(3)]
+
+
+def _dense(q, k, v):
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _mine(t, rank, cp):
+    return t.chunk(cp, dim=-2)[rank].clone()
+
+
+# ---------------------------------------------------------------- one process: the merge
+
+def _merge_case(seed, scale):
+    """Attention of 3 query rows over 10 keys, split at key 4: the two partial results and the whole."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, 4, generator=g), torch.randn(10, 4, generator=g), torch.randn(10, 4, generator=g)
+    s = (q @ k.T) * scale
+    whole = (torch.softmax(s, -1) @ v, torch.logsumexp(s, -1))
+    parts = []
+    for cols in (slice(0, 4), slice(4, 10)):
+        part = s[:, cols]
+        parts.append((torch.softmax(part, -1) @ v[cols], torch.logsumexp(part, -1)))
+    return parts, whole
+
+
+def grade_merge(fn, source) -> str:
+    import torch
+    for seed, scale, what in ((0, 1.0, "scores of about 1"), (1, 60.0, "scores in the hundreds")):
+        ((o1, l1), (o2, l2)), (o_want, l_want) = _merge_case(seed, scale)
+        try:
+            got = attempt(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone())
+        except Unsolved:
+            raise
+        except Exception as e:
+            raise Wrong(f"online_softmax_merge raised {type(e).__name__}: {e}") from None
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise Wrong("online_softmax_merge should return (out, lse): the merged output and its log-sum-exp")
+        out, lse = got
+        if tuple(lse.shape) != tuple(l_want.shape) or tuple(out.shape) != tuple(o_want.shape):
+            raise Wrong(f"out should have shape {tuple(o_want.shape)} and lse {tuple(l_want.shape)}, like the inputs; "
+                        f"got {tuple(out.shape)} and {tuple(lse.shape)}")
+        if not torch.isfinite(lse).all() or not torch.isfinite(out).all():
+            raise Wrong(f"with {what} your lse or out holds inf or nan: exp of a score in the hundreds overflows "
+                        "fp32 (exp(89) does). Subtract the larger lse before exponentiating, as torch.logaddexp does")
+        if not torch.allclose(lse, l_want, atol=1e-4, rtol=1e-5):
+            if torch.allclose(lse, torch.maximum(l1, l2), atol=1e-4):
+                why = "that is the larger of the two: the merged sum of exponentials holds both parts' sums"
+            elif torch.allclose(lse, l1 + l2, atol=1e-4):
+                why = "that is lse1 + lse2, the log of the product of the two sums; the softmax needs their sum"
+            else:
+                why = f"it differs by up to {(lse - l_want).abs().max().item():.3g}"
+            raise Wrong(f"with {what} the merged lse is not the log-sum-exp of all ten scores: {why}")
+        if not torch.allclose(out, o_want, atol=1e-4, rtol=1e-4):
+            if torch.allclose(out, (o1 + o2) / 2, atol=1e-4):
+                why = ("it is the plain mean of the two outputs; each must be weighed by the share of the softmax's "
+                       "sum its keys hold, exp(lse_i - lse)")
+            elif torch.allclose(out, o1 + o2, atol=1e-4):
+                why = "it is o1 + o2; each output is normalised by its own sum: reweigh it by exp(lse_i - lse)"
+            else:
+                why = f"it differs by up to {(out - o_want).abs().max().item():.3g}"
+            raise Wrong(f"with {what} the lse is right but the merged output is not softmax(all scores) @ v: {why}")
+    return ("two partial results (4 keys and 6 keys) merge into attention over all ten, with scores of about 1 and "
+            "in the hundreds")
+
+
+register(Exercise(
+    name="online_softmax_merge", notebook="07", title="The online-softmax merge of two partial results",
+    grade=grade_merge,
+    hints=("Partial result i is o_i = sum_j exp(s_j - lse_i) v_j over its keys, with lse_i = log sum_j exp(s_j). "
+           "The whole softmax's sum of exponentials is the sum of the two parts' sums.",
+           "lse = log(exp(lse1) + exp(lse2)) (torch.logaddexp computes it without overflow); then "
+           "o = o1 exp(lse1 - lse) + o2 exp(lse2 - lse), each weight broadcast over the last dimension."),
+    solution='''
+import torch
+
+
+def online_softmax_merge(out1, lse1, out2, lse2):
+    lse = torch.logaddexp(lse1, lse2)                 # log(exp(lse1) + exp(lse2)), without overflow
+    out = out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None]
+    return out, lse
+'''))
+
+
+# ---------------------------------------------------------------- on ranks: one ring step
+
+def check_ring_step(ring_step) -> dict:
+    """cp steps of the attendee's ring_step on this rank's share (plain split): the output and lse
+    must be dense causal attention's rows; after the first step the block held is the previous rank's."""
+    import torch
+
+    from .. import comm
+    rank, cp = comm.get_rank(), comm.get_world_size()
+    q, k, v = _case()
+    c = q.shape[-2] // cp
+    mine_q, k_cur, v_cur = _mine(q, rank, cp), _mine(k, rank, cp), _mine(v, rank, cp)
+    out, lse = torch.zeros_like(mine_q), torch.full(mine_q.shape[:-1], float("-inf"))
+    q_pos = torch.arange(rank * c, (rank + 1) * c)
+    for step in range(cp):
+        owner = (rank - step) % cp
+        k_pos = torch.arange(owner * c, (owner + 1) * c)
+
+        def attend_block(q_, k_, v_, visible=k_pos[None, :] <= q_pos[:, None]):
+            return attend(q_, k_, v_, visible)
+        before = comm.counts()
+        result = on_ranks.on_rank(ring_step, mine_q, k_cur, v_cur, out, lse, attend_block)
+        sent = {op: comm.counts().get(op, {}).get("calls", 0) - before.get(op, {}).get("calls", 0)
+                for op in ("send", "recv")}
+        if result["status"] != "ok":
+            return result
+        got = result["value"]
+        if not (isinstance(got, tuple) and len(got) == 4):
+            return {"status": "wrong", "message": "ring_step should return (out, lse, k, v): the merged result and "
+                                                  "the K/V block received from the previous rank"}
+        out, lse, k_cur, v_cur = got
+        prev = (rank - step - 1) % cp
+        if sent["send"] == 0 or sent["recv"] == 0:
+            return {"status": "wrong", "message": f"in step {step} rank {rank} made {sent['send']} sends and "
+                                                  f"{sent['recv']} receives through comm: pass the block on with "
+                                                  "comm.isend to the next rank and comm.irecv from the previous"}
+        if not (torch.equal(k_cur, _mine(k, prev, cp)) and torch.equal(v_cur, _mine(v, prev, cp))):
+            held = next((r for r in range(cp) if torch.equal(k_cur, _mine(k, r, cp))), None)
+            what = f"rank {held}'s K block" if held is not None else "a K block that is no rank's"
+            return {"status": "wrong", "message": f"after step {step} rank {rank} holds {what}; it should hold rank "
+                                                  f"{prev}'s, received from the previous rank (return the buffers "
+                                                  "irecv filled, after waiting for them)"}
+    whole = q.shape[-2]
+    want, lse_want = attend(q, k, v, torch.ones(whole, whole, dtype=torch.bool).tril())
+    want, lse_want = _mine(want, rank, cp), lse_want.chunk(cp, dim=-1)[rank]
+    if not torch.allclose(lse, lse_want, atol=1e-5):
+        return {"status": "wrong", "message": f"after {cp} steps rank {rank}'s lse differs from the log-sum-exp of "
+                                              f"its rows' visible scores by up to {(lse - lse_want).abs().max():.3g}: "
+                                              "merge each block's lse with logaddexp"}
+    if not torch.allclose(out, want, atol=1e-5):
+        return {"status": "wrong", "message": f"after {cp} steps rank {rank}'s output differs from dense causal "
+                                              f"attention's rows by up to {(out - want).abs().max():.3g} "
+                                              "(the lse is right: check how the outputs are weighed)"}
+    return {"status": "ok"}
+
+
+def grade_ring_step(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_ring_step(ring_step)", RANKS,
+                          f"{RANKS} ring steps on each of {RANKS} ranks: every rank's rows equal dense causal "
+                          "attention's, output and log-sum-exp, and each block went round the ring", HANG, timeout=30)
+
+
+register(Exercise(
+    name="ring_step", notebook="07", ranks=RANKS, title="One step of ring attention on real ranks",
+    grade=grade_ring_step,
+    hints=("Post the exchange first, compute while it travels: comm.isend(k, next) and comm.irecv(buffer, prev) "
+           "for K and for V (4 calls; give K and V different tags), then attend and merge, then wait for the works.",
+           "next = (rank + 1) % world, prev = (rank - 1) % world; the buffers are torch.empty_like(k) and "
+           "torch.empty_like(v); block_out, block_lse = attend(q, k, v); merge as in the exercise above."),
+    solution='''
+def ring_step(q, k, v, out, lse, attend):
+    rank, world = comm.get_rank(), comm.get_world_size()
+    k_next, v_next = torch.empty_like(k), torch.empty_like(v)
+    works = [comm.isend(k.contiguous(), (rank + 1) % world, tag=0), comm.isend(v.contiguous(), (rank + 1) % world, tag=1),
+             comm.irecv(k_next, (rank - 1) % world, tag=0), comm.irecv(v_next, (rank - 1) % world, tag=1)]
+    block_out, block_lse = attend(q, k, v)             # computed while the block travels on
+    merged = torch.logaddexp(lse, block_lse)
+    out = (out * torch.exp(lse - merged).nan_to_num(0.0)[..., None]
+           + block_out * torch.exp(block_lse - merged).nan_to_num(0.0)[..., None])
+    for work in works:
+        work.wait()
+    return out, merged, k_next, v_next
+'''))
+
+
+# ---------------------------------------------------------------- find the bug: the causal mask's positions
+
+def _toy_loss(out, head, targets, n_tokens):
+    """A language model's loss in miniature: the attention output through a fixed head to 8 logits,
+    cross-entropy against fixed targets, summed here and divided by every rank's tokens."""
+    import torch.nn.functional as F
+    logits = out @ head
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum") / n_tokens
+
+
+def check_causal_ring(causal_ring_attention) -> dict:
+    """The attendee's ring attention against dense causal attention on this rank's rows: the loss
+    (`_toy_loss`, summed over the ranks) and the gradients of q, k and v."""
+    import torch
+
+    from .. import comm
+    rank, cp = comm.get_rank(), comm.get_world_size()
+    q, k, v = _case(seed=3)
+    g = torch.Generator().manual_seed(4)
+    head, targets = torch.randn(q.shape[-1], 8, generator=g), torch.randint(0, 8, q.shape[:-1], generator=g)
+    n_tokens = targets.numel()
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    dense_loss = _toy_loss(_dense(*dense), head, targets, n_tokens)
+    dense_loss.backward()
+    mine = [_mine(t, rank, cp).requires_grad_() for t in (q, k, v)]
+    result = on_ranks.on_rank(causal_ring_attention, *mine)
+    if result["status"] != "ok":
+        return result
+    out = result["value"]
+    if not isinstance(out, torch.Tensor) or out.shape != mine[0].shape:
+        return {"status": "wrong", "message": f"on rank {rank} the output is not a tensor of this rank's shape "
+                                              f"{tuple(mine[0].shape)}"}
+    loss = _toy_loss(out, head, targets.chunk(cp, dim=-1)[rank], n_tokens)
+    loss.backward()
+    total = loss.detach().clone()
+    comm.all_reduce(total, "sum")
+    errors = torch.tensor([((g.grad - _mine(d.grad, rank, cp)).norm() / _mine(d.grad, rank, cp).norm()).item()
+                           for g, d in zip(mine, dense)])
+    everyone = torch.zeros(cp, 3)
+    comm.all_gather_into_tensor(everyone, errors[None])
+    worst = everyone.max().item()
+    if worst > 1e-4:
+        r, which = divmod(int(everyone.argmax()), 3)
+        return {"status": "wrong", "message": f"the loss is {total.item():.4f} (dense attention's: "
+                                              f"{dense_loss.item():.4f}), and the gradients are not the dense ones: "
+                                              f"d{'qkv'[which]} on rank {r} is {worst:.0%} off in norm (relative)"}
+    return {"status": "ok"}
+
+
+def grade_causal_ring(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_causal_ring(causal_ring_attention)", RANKS,
+                          f"on {RANKS} ranks the loss and the gradients of q, k and v equal dense causal attention's",
+                          HANG, timeout=30)
+
+
+register(Exercise(
+    name="causal_ring_attention", notebook="07", ranks=RANKS, bug_lab=True,
+    title="Find the bug: a ring attention whose loss looks fine",
+    grade=grade_causal_ring,
+    hints=("The gradients are wrong, so some query saw keys it should not, or missed keys it should see. Which "
+           "keys may a query see under a causal mask, and how does the cell decide which ones those are?",
+           "The mask compares positions. Print `positions` and `k_positions` on rank 1 at step 1: which positions of "
+           "the sequence do its queries and the block it holds have?",
+           "Rank r's queries are positions r c ... r c + c - 1 of the sequence, and the block held at a step is "
+           "`owner`'s: owner c + arange(c). Compare global positions."),
+    solution='''
+from labsupport.lab.nb07_context_and_experts import attend, merge, pass_on
+
+
+def causal_ring_attention(q, k, v):
+    """Causal attention of this rank's positions (plain split) against the whole sequence, by the ring."""
+    rank, cp = comm.get_rank(), comm.get_world_size()
+    c = q.shape[-2]
+    positions = rank * c + torch.arange(c)            # my queries' places in the whole sequence
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(cp):
+        owner = (rank - step) % cp                      # whose K/V block I hold now
+        k_positions = owner * c + torch.arange(c)
+        visible = k_positions[None, :] <= positions[:, None]   # the causal mask
+        block_out, block_lse = attend(q, k, v, visible)
+        out, lse = merge(out, lse, block_out, block_lse)
+        if step < cp - 1:
+            k, v = pass_on(k, v)
+    return out
+'''))
+
+
+# ---------------------------------------------------------------- on ranks: the all-to-all's dispatch
+
+N_EXPERTS = 4
+
+
+def check_dispatch(dispatch) -> dict:
+    """Each rank routes 12 tokens (top-1) to 4 experts, 2 per rank. With the attendee's (order,
+    send_counts) the rows go out by comm.all_to_all_single; each rank's experts scale their rows by
+    expert + 1 (each rank also sends the rows' expert numbers, so that a wrong rank is named); the
+    rows come back by the reverse all-to-all and are added to the tokens at `order`."""
+    import torch
+
+    from .. import comm
+    rank, ep = comm.get_rank(), comm.get_world_size()
+    g = torch.Generator().manual_seed(11 + rank)
+    tokens = torch.randn(12, 3, generator=g)
+    choice = torch.randint(0, N_EXPERTS, (12,), generator=g)
+    result = on_ranks.on_rank(dispatch, choice.clone(), N_EXPERTS, ep)
+    if result["status"] != "ok":
+        return result
+    got = result["value"]
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return {"status": "wrong", "message": "dispatch should return (order, send_counts)"}
+    order, send = got
+    order = torch.as_tensor(order)
+    send = [int(n) for n in send]
+    per_rank = N_EXPERTS // ep
+    want = [int((choice // per_rank == r).sum()) for r in range(ep)]
+    if sorted(order.tolist()) != list(range(len(tokens))):
+        return {"status": "wrong", "message": f"on rank {rank} order is {order.tolist()}: it should name each of "
+                                              f"the {len(tokens)} tokens once, in the order their rows are sent"}
+    if len(send) != ep or sum(send) != len(tokens):
+        return {"status": "wrong", "message": f"on rank {rank} send_counts is {send}: one count per rank ({ep}), "
+                                              f"adding up to the {len(tokens)} rows sent"}
+    if send != want:
+        return {"status": "wrong", "message": f"on rank {rank} send_counts is {send}, the choices {choice.tolist()} "
+                                              f"need {want}: rank r holds experts r E/ep ... (r + 1) E/ep - 1, here "
+                                              f"{per_rank} a rank"}
+    dest = (choice[order] // per_rank).tolist()
+    if dest != sorted(dest):
+        return {"status": "wrong", "message": f"on rank {rank} the counts are right but the rows in `order` go to "
+                                              f"ranks {dest}: all_to_all_single sends the first send_counts[0] rows "
+                                              "to rank 0, the next send_counts[1] to rank 1, ...; sort by expert"}
+    counts = torch.tensor(send)
+    recv = torch.empty_like(counts)
+    comm.all_to_all_single(recv, counts)
+    rows = torch.empty(int(recv.sum()), tokens.shape[1])
+    comm.all_to_all_single(rows, tokens[order], recv.tolist(), send)
+    experts = torch.empty(int(recv.sum()), dtype=torch.long)
+    comm.all_to_all_single(experts, choice[order], recv.tolist(), send)
+    if not all(int(e) // per_rank == rank for e in experts):
+        return {"status": "wrong", "message": f"rank {rank} received rows for experts {experts.tolist()}, "
+                                              "not all its own"}
+    back = torch.empty(len(tokens), tokens.shape[1])
+    comm.all_to_all_single(back, rows * (experts[:, None] + 1), send, recv.tolist())
+    out = torch.zeros_like(tokens).index_add(0, order, back)
+    if not torch.allclose(out, tokens * (choice[:, None] + 1)):
+        return {"status": "wrong", "message": f"on rank {rank} the combined outputs are not each token's expert's"}
+    return {"status": "ok"}
+
+
+def grade_dispatch(fn, source) -> str:
+    return on_ranks.grade(source, __name__, "check_dispatch(dispatch)", RANKS,
+                          f"on {RANKS} ranks every token's row reached its expert's rank by one all-to-all and came "
+                          "back to its place", "Every rank must make the same all-to-all calls", timeout=30)
+
+
+register(Exercise(
+    name="dispatch", notebook="07", ranks=RANKS, title="The dispatch of an all-to-all on real ranks",
+    grade=grade_dispatch,
+    hints=("all_to_all_single sends its input in consecutive blocks: the first send_counts[0] rows to rank 0, "
+           "the next send_counts[1] to rank 1, and so on. So the rows must be ordered by destination rank.",
+           "Expert e lives on rank e // (n_experts // ep). choice.argsort(stable=True) orders the tokens by expert "
+           "(hence by rank); torch.bincount(choice // (n_experts // ep), minlength=ep) counts the rows per rank."),
+    solution='''
+def dispatch(choice, n_experts, ep):
+    """(order, send_counts): the tokens in the order their rows are sent, and how many go to each rank."""
+    order = choice.argsort(stable=True)               # by expert, so by the expert's rank
+    send_counts = torch.bincount(choice // (n_experts // ep), minlength=ep).tolist()
+    return order, send_counts
+'''))
+
+
+# Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
+# and not in the notebook's cell, which the attendee reads before predicting.
+WHY = {
+    "scores_share": ("Per position the layer keeps 34 s b h bytes of single-position activations and 5 a s^2 b of "
+                     "scores, so the scores' share is 5 a s / h over 34 + 5 a s / h: 5 x 48 x 131,072 / 6144 = 5,120 "
+                     "against 34. Already at 2,048 tokens the scores are the larger part; at 128k they are nearly "
+                     "all of it."),
+    "plain_ratio": ("Rank 0 holds the first half of the sequence: its queries see only its own keys, one block, on "
+                    "the diagonal. Rank 1's queries see all of rank 0's keys (a whole block) and their own (the "
+                    "diagonal block): two. The counter counts the diagonal block whole; of the scores the mask keeps, "
+                    "rank 1 computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2). On cp ranks the "
+                    "plain split's last rank computes cp blocks and its first one."),
+    "ring_sends": ("Forward: rank 0 sends its K and V blocks once, to its neighbour (cp - 1 = 1 hop): 2 blocks. "
+                   "Backward: K and V travel again, and beside them the sums of dK and dV for the block, which collect "
+                   "each rank's contribution on their way back to its owner: 4 blocks. 6 blocks of "
+                   "b x s/2 x h x 4 bytes = {block:,} bytes each; the receives are the same bytes the other way."),
+    "capacity": ("C = ceil(1.25 x 2 x 128 / 4) = 80: each expert takes up to 80 of the 256 assignments, 25 % more than "
+                 "its share of 64 under a perfectly balanced router."),
+}
