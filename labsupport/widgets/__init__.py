@@ -19,6 +19,8 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
                 (`PipelineWidget`, `gantt_figure`, `throughput_figure`)
   rank_grid     the dp x pp x tp ranks on nodes, coloured by group, the groups that cross nodes and a run's
                 bytes inside and across them (`RankGridWidget`, `rank_grid_figure`, `layout`)
+  ring          ring attention's K/V blocks stepped around cp ranks: blocks computed or skipped by the causal
+                mask, the online softmax's merge, plain vs balanced split (`RingWidget`, `ring_figure`)
   planner       the fastest dp x tp x pp layouts of a model on a cluster, why the best wins, where each one's
                 step time goes, a random search's trajectory (`PlannerWidget`, `planner_figure`, `plan_for`)
 
