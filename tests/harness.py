@@ -110,8 +110,9 @@ with runtime.init() as rt:
         args, cfg, config = load_checked(checked)
         runtime.report(**train(args, rt, cfg, config), strategy=args.strategy, world_size=rt.world_size)
 """
-# Ours only: a run of theirs (torch's, Accelerate's, DeepSpeed's) may leave state in the process
-BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d"}
+# Ours, and torch's references; not Accelerate's or DeepSpeed's, whose runs leave state in the process
+BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d",
+           "torch-ddp", "torch-zero1", "torch-fsdp", "torch-tp", "torch-pp", "accelerate-fsdp"}
 
 
 def prefetch(*requests) -> None:

@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from conftest import cli
-from harness import assert_same_as_single, resume, single, train
+from harness import assert_same_as_single, prefetch, resume, single, train
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
 
@@ -18,8 +18,7 @@ TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerat
 
 # Each reference on 2 and on 4 ranks, once with and once without gradient accumulation
 # (the whole cross product would not fit the CPU budget of the suite), and Accelerate's other two shardings.
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, extra", [
+RUNS = [
     ("torch-zero1", 2, TWO_RANKS["torch-zero1"]),
     ("torch-zero1", 4, ["--micro-batch", "1"]),      # 2 accumulation steps under DDP's no_sync
     ("torch-fsdp", 2, TWO_RANKS["torch-fsdp"]),      # a reduce-scatter per micro-batch, added into the shard
@@ -29,8 +28,18 @@ TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerat
     ("accelerate-fsdp", 2, ["--zero", "2"]),         # SHARD_GRAD_OP
     ("accelerate-fsdp", 2, ["--zero", "0"]),         # NO_SHARD (the run the memory test reads too)
     ("accelerate-deepspeed", 2, ["--zero", "1", "--micro-batch", "2"]),  # accumulated in DeepSpeed; ZeRO-3: test_accelerate_launch
-])
-def test_reference_matches_single_step_by_step(strategy, nproc, extra):
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
+    prefetch(("single", 1, ()), *RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", RUNS)
+def test_reference_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra)
     stage = int(extra[1]) if extra[:1] == ["--zero"] else {"torch-zero1": 1}.get(strategy, 3)
     assert out["world_size"] == nproc and out["parallel"]["zero"] == stage
@@ -39,7 +48,7 @@ def test_reference_matches_single_step_by_step(strategy, nproc, extra):
 
 
 @pytest.mark.slow
-def test_each_reference_divides_what_it_shards():
+def test_each_reference_divides_what_it_shards(runs):
     """Per rank, against `single`'s full model states: torch-zero1 holds 1/N of the Adam moments
     (whole parameters per rank, so only to a parameter's size), torch-fsdp and accelerate-fsdp 1/N
     of parameters, gradients and moments (within the padding); --zero 0 (NO_SHARD) divides nothing."""
@@ -58,7 +67,7 @@ def test_each_reference_divides_what_it_shards():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["torch-zero1", "torch-fsdp", "accelerate-fsdp"])
-def test_reference_checkpoint_resumes_bit_identically(tmp_path, strategy):
+def test_reference_checkpoint_resumes_bit_identically(runs, tmp_path, strategy):
     """Each rank saves its shard of the optimizer state (torch-fsdp: of the parameters too); resumed
     from step 10, a run reports the same 20 losses and norms as the run that never stopped."""
     full = train(strategy, 2, *TWO_RANKS[strategy])
