@@ -13,11 +13,10 @@ Systematic gaps, all small at t = 2:
   (final LayerNorm, the LM head's input, the vocab-parallel softmax); dropout is 0, so the
   dropout masks the paper counts (1 of the 10 replicated, sbh) are not stored.
 """
-import json
 
 import pytest
 
-from conftest import run_cli
+from harness import prefetch, train
 from labsupport.bench.race import MEMORY as CATEGORIES
 from labsupport.estimate.memory import estimate_memory
 from labsupport.model import PRESETS
@@ -25,14 +24,24 @@ from labsupport.model import PRESETS
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("preset", ["nano", "micro"])
+PRESETS_RUN = ["nano", "micro"]
+
+
+def settings(preset: str, sequence_parallel: bool) -> tuple:
+    return ("--tp", 2, "--model", preset, "--steps", 2, "--global-batch", 8, "--sample-chars", 0, "--eval-batches", 0,
+            *(["--sequence-parallel"] if sequence_parallel else []))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The four runs, trained ahead in one launch (harness.prefetch)."""
+    prefetch(*[("tp", 2, settings(p, sp), ()) for p in PRESETS_RUN for sp in (False, True)])
+
+
+@pytest.mark.parametrize("preset", PRESETS_RUN)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_prediction_within_10_percent_of_the_measurement(preset, sequence_parallel):
-    res = run_cli("train", "--strategy", "tp", "--tp", 2, "--nproc", 2, "--json", "--model", preset, "--steps", 2,
-                  "--global-batch", 8, "--sample-chars", 0, "--eval-batches", 0,
-                  *(["--sequence-parallel"] if sequence_parallel else []))
-    assert res.returncode == 0, res.stderr[-3000:]
-    summary = json.loads(res.stdout.splitlines()[-1])
+def test_prediction_within_10_percent_of_the_measurement(runs, preset, sequence_parallel):
+    summary = train("tp", 2, *settings(preset, sequence_parallel), settings=())
     assert summary["model"]["name"] == preset and summary["parallel"]["tp"] == 2 and summary["micro_batch"] == 8
     cfg = PRESETS[preset].with_vocab(summary["model"]["vocab"])
     want = estimate_memory(cfg, micro_batch=8, precision="fp32", tp=2, sequence_parallel=sequence_parallel,
