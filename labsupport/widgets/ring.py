@@ -204,7 +204,8 @@ def _draw_load(ax, walk: RingWalk, k: int, fontsize: float) -> None:
 
 
 LEGEND = ("solid: computed at this step (r2: by rank 2); pale: at an earlier step; grey: hidden by the causal "
-          "mask, skipped; m, l: the row's running max and sum")
+          "mask, skipped. Each line below follows its rank's last query row (made-up scores): the block's max m and "
+          "sum l of exp(score - m), then -> the running m and l after the merge")
 
 
 def draw(fig: Figure, walk: RingWalk, k: int, text: bool = True) -> None:
