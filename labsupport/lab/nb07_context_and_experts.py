@@ -122,7 +122,10 @@ def grade_merge(fn, source) -> str:
         except Unsolved:
             raise
         except Exception as e:
-            raise Wrong(f"online_softmax_merge raised {type(e).__name__}: {e}") from None
+            shapes = ("" if "must match the size" not in str(e) else
+                      f". out has one row per query {tuple(o1.shape)}, lse one number per query {tuple(l1.shape)}: "
+                      "a weight computed from lse needs [..., None] to scale out's rows")
+            raise Wrong(f"online_softmax_merge raised {type(e).__name__}: {e}{shapes}") from None
         if not (isinstance(got, tuple) and len(got) == 2):
             raise Wrong("online_softmax_merge should return (out, lse): the merged output and its log-sum-exp")
         out, lse = got
@@ -217,9 +220,12 @@ def check_ring_step(ring_step) -> dict:
     want, lse_want = attend(q, k, v, torch.ones(whole, whole, dtype=torch.bool).tril())
     want, lse_want = _mine(want, rank, cp), lse_want.chunk(cp, dim=-1)[rank]
     if not torch.allclose(lse, lse_want, atol=1e-5):
+        gap = (lse - lse_want).abs().max()
+        how = (f"by up to {gap:.3g}: merge each block's lse with logaddexp" if torch.isfinite(gap) else
+               "by inf: some row's lse is infinite (-inf: that row lost the keys of earlier steps); merge each "
+               "block's (out, lse) into the running ones, do not replace them")
         return {"status": "wrong", "message": f"after {cp} steps rank {rank}'s lse differs from the log-sum-exp of "
-                                              f"its rows' visible scores by up to {(lse - lse_want).abs().max():.3g}: "
-                                              "merge each block's lse with logaddexp"}
+                                              f"its rows' visible scores {how}"}
     if not torch.allclose(out, want, atol=1e-5):
         return {"status": "wrong", "message": f"after {cp} steps rank {rank}'s output differs from dense causal "
                                               f"attention's rows by up to {(out - want).abs().max():.3g} "

@@ -204,7 +204,8 @@ def _draw_load(ax, walk: RingWalk, k: int, fontsize: float) -> None:
 
 
 LEGEND = ("solid: computed at this step (r2: by rank 2); pale: at an earlier step; grey: hidden by the causal "
-          "mask, skipped; m, l: the row's running max and sum")
+          "mask, skipped. Each line below follows its rank's last query row (made-up scores): the block's max m and "
+          "sum l of exp(score - m), then -> the running m and l after the merge")
 
 
 def draw(fig: Figure, walk: RingWalk, k: int, text: bool = True) -> None:
@@ -265,7 +266,7 @@ class RingWidget:
         self.ranks_menu = W.Dropdown(options=sorted({*UI_SIZES, cp}), value=cp, description="ranks",
                                      layout=W.Layout(width="150px"))
         self.split_menu = W.ToggleButtons(options=[("plain", False), ("balanced", True)], value=balanced,
-                                          description="split")
+                                          style={"button_width": "90px"})
         self.position = W.IntSlider(value=0, min=0, max=0, description="step", readout=False,
                                     layout=W.Layout(width="220px"))
         self.play = W.Play(value=0, min=0, max=0, interval=interval_ms, show_repeat=False)
@@ -287,7 +288,8 @@ class RingWidget:
         self.position.observe(lambda _: self._show(), names="value")
         for menu in (self.ranks_menu, self.split_menu):
             menu.observe(lambda _: self._rebuild(), names="value")
-        self.widget = W.VBox([W.HBox([self.ranks_menu, self.split_menu]),
+        split_label = W.Label("split", layout=W.Layout(margin="0 6px 0 24px"))  # a description would wrap above
+        self.widget = W.VBox([W.HBox([self.ranks_menu, split_label, self.split_menu]),
                               W.HBox([self.reset_button, self.back_button, self.step_button, self.play,
                                       self.position, self.step_label]),
                               self.image, self.readout])
