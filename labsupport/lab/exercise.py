@@ -152,8 +152,9 @@ def hint(name: str) -> None:
         print(f"hint {i}/{len(ex.hints)}: {text}")
 
 
-def solution(name: str, load: bool = True) -> str:
-    """Show the reference solution; in Jupyter (`load`) it also appears in a new cell below."""
+def solution(name: str, load: bool = True) -> None:
+    """Show the reference solution; in Jupyter (`load`) it also appears in a new cell below. Nothing is
+    returned: as a cell's last line, a returned string would be shown a second time, quoted."""
     ex = get(name)
     cell = f"%%exercise {name}\n{ex.solution.strip()}\n"
     print(cell)
@@ -162,7 +163,6 @@ def solution(name: str, load: bool = True) -> str:
             get_ipython().set_next_input(cell)  # noqa: F821 (defined inside IPython only)
         except NameError:
             pass
-    return cell
 
 
 def progress(notebook: str | None = None) -> None:
