@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path
 
-from .figure import NotebookFigure, figure_png
+from .figure import NotebookFigure, Stepper, figure_png
 from ..estimate.collective_steps import COLLECTIVES, Transfer, initial_state, schedule, simulate
 
 ROOTED = ("broadcast", "reduce", "scatter", "gather")  # the collectives where `root` matters
@@ -301,7 +301,7 @@ def collectives_figure(collective: str = "all_reduce", n: int = 4, step: int | N
 
 # ---------------------------------------------------------------- the widget
 
-class CollectivesWidget:
+class CollectivesWidget(Stepper):
     """Step through a collective: menus for the collective, the world size and the root; step, back, play, reset.
 
     Display `.widget` (or the object itself) in a notebook. The same controls work from Python:
@@ -382,31 +382,9 @@ class CollectivesWidget:
     # -- Python controls ------------------------------------------------------------------
 
     @property
-    def k(self) -> int:
-        """The state shown: 0 before the first step, k after step k."""
-        return self.position.value
-
-    @property
     def last(self) -> int:
-        """Index of the final state (the number of steps)."""
+        """Index of the final state (the number of steps; state 0 is before the first)."""
         return len(self.walk) - 1 if self.walk else 0
-
-    def step(self) -> None:
-        """One step forward (nothing at the end)."""
-        self.goto(self.k + 1)
-
-    def back(self) -> None:
-        """One step back (nothing at the start)."""
-        self.goto(self.k - 1)
-
-    def reset(self) -> None:
-        """Back to the state before the first step, and stop playing."""
-        self.play.playing = False
-        self.goto(0)
-
-    def goto(self, k: int) -> None:
-        """Show state k, clipped to the available steps."""
-        self.position.value = max(0, min(int(k), self.last))
 
     def select(self, collective: str | None = None, n: int | None = None, root: int | None = None) -> None:
         """Change what is shown, as the menus do; starts again at step 0."""

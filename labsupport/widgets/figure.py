@@ -1,4 +1,5 @@
-"""What every widget's figure shares: the Figure class a notebook shows, its PNG, and how bytes read.
+"""What every widget's figure shares: the Figure class a notebook shows, its PNG, and how bytes read;
+and what the step buttons of the stepper widgets do (`Stepper`).
 
 Figures are built with `matplotlib.figure.Figure` rather than pyplot, so redrawing a widget never
 piles up pyplot's open figures and a figure that a cell returns is shown exactly once. A
@@ -46,3 +47,30 @@ class NotebookFigure(Figure):
 
     def _repr_png_(self) -> bytes:
         return figure_png(self)
+
+
+class Stepper:
+    """What the step buttons of a stepper widget do. The widget holds `position` (an IntSlider over
+    the states 0..`last`), `play` (ipywidgets' Play, driving the slider) and the property `last`."""
+
+    @property
+    def k(self) -> int:
+        """The state shown."""
+        return self.position.value
+
+    def step(self) -> None:
+        """One step forward (nothing at the end)."""
+        self.goto(self.k + 1)
+
+    def back(self) -> None:
+        """One step back (nothing at the start)."""
+        self.goto(self.k - 1)
+
+    def reset(self) -> None:
+        """Back to the first state, and stop playing."""
+        self.play.playing = False
+        self.goto(0)
+
+    def goto(self, k: int) -> None:
+        """Show state k, clipped to the available states."""
+        self.position.value = max(0, min(int(k), self.last))

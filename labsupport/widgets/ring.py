@@ -31,7 +31,7 @@ from matplotlib.patches import Polygon, Rectangle
 from matplotlib.ticker import PercentFormatter
 
 from .collectives import RANK_COLORS, _wrap
-from .figure import NotebookFigure, figure_png
+from .figure import NotebookFigure, Stepper, figure_png
 
 UI_SIZES = (2, 3, 4, 5, 6, 8)  # ranks offered in the menu
 FONT = 9  # points: 12.5 px at DPI 100, readable at 4 ranks
@@ -249,7 +249,7 @@ def ring_figure(cp: int = 4, balanced: bool = False, step: int | None = None) ->
 
 # ---------------------------------------------------------------- the widget
 
-class RingWidget:
+class RingWidget(Stepper):
     """Step the K/V blocks around the ring: menus for the ranks and the split; reset, back, step, play.
 
     `step()`, `back()`, `reset()`, `goto(k)` and `select(cp=..., balanced=...)` work from Python;
@@ -297,21 +297,9 @@ class RingWidget:
         self._rebuild()
 
     @property
-    def k(self) -> int:
-        return self.position.value
-
-    def step(self) -> None:
-        self.goto(self.k + 1)
-
-    def back(self) -> None:
-        self.goto(self.k - 1)
-
-    def reset(self) -> None:
-        self.play.playing = False
-        self.goto(0)
-
-    def goto(self, k: int) -> None:
-        self.position.value = max(0, min(int(k), self.walk.cp - 1))
+    def last(self) -> int:
+        """Index of the final state: the ring's cp steps are the states 0..cp-1."""
+        return self.walk.cp - 1
 
     def select(self, cp: int | None = None, balanced: bool | None = None) -> None:
         """Change the ranks or the split, as the menus do; starts again at step 1."""
