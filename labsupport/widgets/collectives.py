@@ -443,9 +443,7 @@ class CollectivesWidget(Stepper):
             except ValueError as exc:
                 self.walk, self.error = None, str(exc)
             self._png = {}
-            self.play.playing = False
-            self.position.value = 0
-            self.play.max = self.last
+            self.rewind()
         finally:
             self._quiet = False
         self._show()

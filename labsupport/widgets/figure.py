@@ -74,3 +74,10 @@ class Stepper:
     def goto(self, k: int) -> None:
         """Show state k, clipped to the available states."""
         self.position.value = max(0, min(int(k), self.last))
+
+    def rewind(self) -> None:
+        """After the states changed (another collective, other ranks): stopped, at state 0, the play
+        button's range the new one. Sets values only; the caller redraws."""
+        self.play.playing = False
+        self.position.value = 0
+        self.play.max = self.last

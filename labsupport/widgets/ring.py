@@ -329,9 +329,7 @@ class RingWidget(Stepper):
         self._png = {}
         self._quiet = True
         try:
-            self.play.playing = False
-            self.position.value = 0
-            self.play.max = self.walk.cp - 1
+            self.rewind()
         finally:
             self._quiet = False
         self._show()
@@ -340,7 +338,7 @@ class RingWidget(Stepper):
         if self._quiet:
             return
         k = self.k
-        self.step_button.disabled = k >= self.walk.cp - 1
+        self.step_button.disabled = k >= self.last
         self.back_button.disabled = k <= 0
         self.step_label.value = f"step {k + 1} of {self.walk.cp}"
         if k not in self._png:
