@@ -179,11 +179,13 @@ lab-fresh:
 
 # Widget state and per-cell execution timestamps are not stored (they only churn diffs); a widget
 # shown with labsupport.widgets.show keeps its static figure as the stored output.
+# LABSUPPORT_STORED_COPY=1: the stored copy is for readers, so lab.lesson(...) cells print each lab's
+# lesson there; the attendee's copy shows it only once the lab is solved.
 notebooks: $(LAB_STAMP)
 ifeq ($(NOTEBOOKS),)
 	@echo "notebooks: no notebooks/*.ipynb to execute"
 else
-	$(RUN_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	$(RUN_ENV) LABSUPPORT_STORED_COPY=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 \
 		--ExecutePreprocessor.kernel_name=python3 \
 		--ExecutePreprocessor.store_widget_state=False \

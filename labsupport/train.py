@@ -176,7 +176,8 @@ def fp16_problems(strategy: str) -> list[str]:
         return [f"--dtype fp16: {strategy} runs backward its library's way, without our loss scaling "
                 "(which the presets of our composition have); use --dtype bf16"]
     device = "cpu" if os.environ.get("LABSUPPORT_DEVICE") == "cpu" or not torch.cuda.is_available() else "cuda"
-    problem = fp16_problem(device)  # the device the ranks will pick (runtime.pick_device)
+    check = entry.load().fp16_problem if entry is not None else fp16_problem
+    problem = check(device)  # the device the ranks will pick (runtime.pick_device)
     return [problem] if problem else []
 
 

@@ -82,7 +82,35 @@ def test_deepspeed_checkpoint_resumes_bit_identically(tmp_path):
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]
 
 
+def deepspeed_says_fp16() -> bool:
+    """What DeepSpeed's accelerator answers on this machine: on a CPU, whether oneDNN computes in fp16
+    (AVX512-FP16 or AMX-FP16; most laptops and many servers have neither)."""
+    from deepspeed.accelerator import get_accelerator
+    return bool(get_accelerator().is_fp16_supported())
+
+
+FP16_HERE = pytest.mark.skipif("not deepspeed_says_fp16()", reason="DeepSpeed refuses fp16 on this CPU: "
+                               "test_deepspeed_fp16_is_refused_in_one_line_where_deepspeed_says_no checks that")
+
+
+def test_deepspeed_fp16_is_refused_in_one_line_where_deepspeed_says_no(monkeypatch):
+    """Issue 28: on a CPU without AVX512-FP16/AMX, `deepspeed.initialize` raised "Type fp16 is not supported
+    on your device" on every rank. The launcher asks DeepSpeed's accelerator first and refuses in one
+    line, before any rank starts. Here the accelerator is made to say no (as it does on such a CPU), in
+    this process, where `labsupport train` validates; on a machine where it says no already, this is
+    what the attendee sees."""
+    from deepspeed.accelerator import get_accelerator
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    res = cli("train", "--strategy", "deepspeed", "--nproc", "2", "--dtype", "fp16", "--steps", "2")
+    assert res.returncode != 0 and res.stdout == "", res
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "DeepSpeed" in res.stderr and "does not support fp16" in res.stderr and "--dtype bf16" in res.stderr
+    from labsupport.train import fp16_problems
+    assert fp16_problems("zero1") == []  # our own fp16 does not ask DeepSpeed: torch's autocast suffices
+
+
 @pytest.mark.slow
+@FP16_HERE
 def test_deepspeed_fp16_equals_the_fp32_reference():
     """DeepSpeed's fp16 (fp16 module, fp32 copy of each partition, its own dynamic loss scale) at
     2^10, where no step of nano overflows: the fp32 reference within our fp16's tolerance for the
@@ -97,6 +125,7 @@ def test_deepspeed_fp16_equals_the_fp32_reference():
 
 
 @pytest.mark.slow
+@FP16_HERE
 def test_deepspeed_fp16_skips_counts_and_halves_on_an_overflow():
     """At 2^20 nano's gradients overflow fp16: DeepSpeed skips the step (its norm is inf), halves the
     scale (GradScaler's rule, hysteresis 1), and the loop reports both, in the summary and in every

@@ -22,6 +22,13 @@ Later cells never depend on an exercise: they use labsupport's own code.
 Each line starts with a symbol and says in words what it means, for a browser without the
 symbol's font: ✔ solved, ○ not solved yet, 🐞 the bug to find, ✘ wrong.
 
+What a lab teaches once it is solved (why the bug did what it did, what the exercise shows) is its
+`lesson`, written here in the lab module, never in the notebook: markdown and code stay in the
+attendee's copy, so text under a lab would be on screen while the attendee works on it. The lesson
+is printed under the ✔ line when the check passes, with the solution when the attendee asks for it,
+and by `lesson(name)` (a cell under the lab) from then on. A bug lab also names its `cause`: the
+phrases that give it away, which a test keeps out of the cells around the lab.
+
 `hint(name)` gives the next hint, `solution(name)` shows the reference solution (and, in
 Jupyter, puts it into a new cell), `progress()` lists what is done. With LABSUPPORT_SOLUTIONS=1
 every exercise cell runs its reference solution instead, and any failure raises: that is how
@@ -74,9 +81,12 @@ class Exercise:
     solution: str                          # a cell body that solves it
     ranks: int = 0                         # how many ranks its check runs on (0: in the notebook's process)
     bug_lab: bool = False
+    lesson: str = ""                       # what it teaches, shown once it is solved (or its solution shown)
+    cause: tuple[str, ...] = ()            # a bug lab's give-away phrases, kept out of the cells around it
     status: str = UNSOLVED
     hints_shown: int = field(default=0, repr=False)
     shipped: str | None = field(default=None, repr=False)  # a bug lab's first source graded: the cell as shipped
+    earned: bool = field(default=False, repr=False)        # solved once, or its solution shown: the lesson is open
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -135,6 +145,9 @@ def grade(ex: Exercise, answer, source: str) -> str:
             status, line = BUGGY, f"🐞 {ex.name}, the bug to find: {e}"
     else:
         status, line = SOLVED, f"✔ {ex.name}: {message}"
+        ex.earned = True
+        if ex.lesson:
+            line += f"\n{ex.lesson}"
     ex.status = status
     if solutions_mode() and status != SOLVED:
         raise ExerciseFailed(f"{ex.name}: the reference solution does not pass: {line}")
@@ -158,11 +171,32 @@ def solution(name: str, load: bool = True) -> None:
     ex = get(name)
     cell = f"%%exercise {name}\n{ex.solution.strip()}\n"
     print(cell)
+    if ex.lesson:
+        print(ex.lesson)
+    ex.earned = True
     if load:
         try:
             get_ipython().set_next_input(cell)  # noqa: F821 (defined inside IPython only)
         except NameError:
             pass
+
+
+# Where `make notebooks` stores the notebooks for readers, every lesson is shown (see lesson()).
+STORED = "LABSUPPORT_STORED_COPY"
+
+
+def lesson(name: str) -> None:
+    """Print what exercise `name` teaches, once the attendee has earned it (solved it, or asked for the
+    solution). The reader's copy in notebooks/ is executed by `make notebooks` with LABSUPPORT_STORED_COPY=1
+    set, and shows it there, so that copy reads as a whole."""
+    ex = get(name)
+    if not ex.lesson:
+        raise KeyError(f"exercise {name!r} has no lesson")
+    if ex.earned or ex.status == SOLVED or os.environ.get(STORED, "") not in ("", "0") or solutions_mode():
+        print(ex.lesson)
+    else:
+        print(f"🔒 (locked) What {name} teaches appears here once its check above passes, "
+              f"or after lab.solution({name!r}).")
 
 
 def progress(notebook: str | None = None) -> None:

@@ -277,6 +277,7 @@ def grade_clip_sharded(fn, source) -> str:
 register(Exercise(
     name="clip_sharded_", notebook="03", ranks=RANKS, title="Find the bug: clipping a sharded gradient",
     grade=grade_clip_sharded, bug_lab=True,
+    cause=("norm of whatever", "shard's norm", "its own norm", "squared gradient norm", "single number"),
     hints=("Look at the norm: compare the one rank 0 returns with the whole gradient's, which the message prints.",
            "Each rank measures only its shard, so each clips by a factor of its own: the update no longer points "
            "along the gradient, and its norm is not max_norm.",
@@ -345,6 +346,7 @@ def grade_shard_block(fn, source) -> str:
 register(Exercise(
     name="shard_block", notebook="03", ranks=RANKS, title="Find the bug: a ZeRO-3 block that stays gathered",
     grade=grade_shard_block, bug_lab=True,
+    cause=("no_grad", "requires_grad", "out of the if", "which line"),
     hints=("Compare what after_forward does in the two passes the check runs, the training one and the "
            "evaluation one.",
            "Evaluation runs under torch.no_grad(): no output requires grad, so everything under "

@@ -49,6 +49,7 @@ if not torch.cuda.is_available():  # the runtime's choice too; said here, DeepSp
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from deepspeed.utils import logger as ds_logger  # noqa: E402
 
@@ -123,6 +124,18 @@ class DeepSpeedZeRO(Strategy):
             return [f"strategy 'deepspeed': DeepSpeed refuses the ds_config: zero_optimization."
                     f"{'.'.join(map(str, error['loc']))} = {error['input']!r}: {error['msg']} (see --bucket-mb)"]
         return []
+
+    @classmethod
+    def fp16_problem(cls, device_type: str) -> str | None:
+        """DeepSpeed keeps the whole module in fp16 and asks its accelerator whether the device computes
+        in fp16; on a CPU that is oneDNN's fp16 support (AVX512-FP16 or AMX-FP16), which most laptops
+        and many servers lack, and `deepspeed.initialize` would fail on every rank."""
+        accelerator = get_accelerator()
+        if accelerator.device_name() == device_type and not accelerator.is_fp16_supported():
+            return (f"--dtype fp16: DeepSpeed {deepspeed.__version__} does not support fp16 on this {device_type} "
+                    f"(its {type(accelerator).__name__} says no: on a CPU it needs AVX512-FP16 or AMX-FP16); "
+                    "use --dtype bf16, or fp16 with one of our strategies (e.g. --strategy zero1)")
+        return super().fp16_problem(device_type)
 
     @staticmethod
     def make_ds_config(config, micro_batch: int, accumulation: int, grad_clip: float) -> dict:

@@ -23,7 +23,7 @@ import torch
 from .. import comm
 from ..model import lm_loss
 from .clip import clip_grad_norm_
-from .loss_scale import LossScaler
+from .loss_scale import LossScaler, fp16_problem
 from .mesh import Mesh
 from .optim import adamw
 
@@ -38,6 +38,12 @@ class Strategy:
         """What this strategy cannot do beyond what the configuration and the steps check (a
         reference's own limits), one line per mistake."""
         return []
+
+    @classmethod
+    def fp16_problem(cls, device_type: str) -> str | None:
+        """Why `--dtype fp16` cannot run on `device_type` ("cpu", "cuda"), asked before any rank starts:
+        torch's autocast must compute in float16 there (a library with its own fp16 path adds its own)."""
+        return fp16_problem(device_type)
 
     def __init__(self, rt, config):
         self.rt, self.config = rt, config
