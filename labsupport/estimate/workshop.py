@@ -137,12 +137,14 @@ class Script:
     checkpoint_activations: bool
     notes: str = ""
     clip_grad: float = 1.0      # --clip-grad: Megatron's default, which both 22B scripts pass explicitly
+    deepspeed: bool = True      # --deepspeed: the fork then runs DeepSpeed's engine and turns Megatron's async TP
+    #                             all-reduce off, so CUDA_DEVICE_MAX_CONNECTIONS=1 orders nothing there
 
     def megatron_flags(self) -> list[str]:
         """The script's Megatron flags that `labsupport plan --check-config` reads against its ds_config."""
         return [str(a) for a in ("--tensor-model-parallel-size", self.tp, "--pipeline-model-parallel-size", self.pp,
                                  "--micro-batch-size", self.micro_batch, "--global-batch-size", self.global_batch,
-                                 "--clip-grad", self.clip_grad, f"--{self.precision}", "--deepspeed")]
+                                 "--clip-grad", self.clip_grad, f"--{self.precision}")] + ["--deepspeed"] * self.deepspeed
 
     @property
     def gpus(self) -> int:
