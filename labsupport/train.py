@@ -37,7 +37,6 @@ from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu,
 from .model import TinyGPT, generate
 from .parallel.experts import load as expert_load
 from .parallel import DDP_MODES, STRATEGIES, ConfigError, ParallelConfig, make_strategy, strategy_names
-from .parallel.loss_scale import fp16_problem
 from .rundir import make_run_dir
 
 CHECKED_ENV = "LABSUPPORT_TRAIN_CONFIG"  # where run() hands its ranks the checked options, as JSON
@@ -172,12 +171,13 @@ def fp16_problems(strategy: str) -> list[str]:
     """What stops `--dtype fp16` before any rank starts: a strategy whose backward does not start from
     the scaled loss (a library's own), or a device where autocast has no float16."""
     entry = STRATEGIES.get(strategy)
-    if entry is not None and not entry.load().fp16:
+    if entry is None:
+        return []  # an unknown name: ParallelConfig.check says so
+    if not entry.load().fp16:
         return [f"--dtype fp16: {strategy} runs backward its library's way, without our loss scaling "
                 "(which the presets of our composition have); use --dtype bf16"]
     device = "cpu" if os.environ.get("LABSUPPORT_DEVICE") == "cpu" or not torch.cuda.is_available() else "cuda"
-    check = entry.load().fp16_problem if entry is not None else fp16_problem
-    problem = check(device)  # the device the ranks will pick (runtime.pick_device)
+    problem = entry.load().fp16_problem(device)  # the device the ranks will pick (runtime.pick_device)
     return [problem] if problem else []
 
 

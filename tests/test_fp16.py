@@ -27,6 +27,7 @@ import torch
 from conftest import planted_copy
 from harness import PLANTS, assert_same_as_single, planted, prefetch, resume, single, train
 from labsupport import train as train_module
+from labsupport.parallel import strategy as strategy_module
 from labsupport.estimate.memory import estimate_memory, tinygpt_activation_bytes
 from labsupport.launch import launch
 from labsupport.model import PRESETS, TinyGPT, get_preset, lm_loss
@@ -216,7 +217,7 @@ def test_autocast_runs_the_matmuls_in_fp16_on_this_machine():
 def test_fp16_without_device_support_is_one_line_before_any_process(monkeypatch, tmp_path):
     line = fp16_problem("meta")  # a device type without float16 autocast
     assert line.startswith("--dtype fp16: ") and "\n" not in line
-    monkeypatch.setattr(train_module, "fp16_problem", lambda device: line)
+    monkeypatch.setattr(strategy_module, "fp16_problem", lambda device: line)  # what Strategy.fp16_problem asks
     with pytest.raises(ConfigError) as e:
         train_module.run(nproc=1, dtype="fp16", steps=2)
     assert e.value.problems == [line]
