@@ -16,9 +16,11 @@ import textwrap
 
 import pytest
 
-from labsupport.estimate.context import (activation_bytes, attention_memory, min_block_for_overlap, ring_traffic,
-                                         split_problems)
-from labsupport.estimate.memory import activation_bytes_per_layer
+from labsupport.estimate.context import (activation_bytes, attention_memory, long_sequence_memory,
+                                         min_block_for_overlap, ring_traffic, split_problems, stage_activation_bytes)
+from labsupport.estimate.memory import activation_bytes_per_layer, model_state_bytes
+from labsupport.estimate.params import count_params
+from labsupport.estimate.shapes import get_preset
 
 B, HEADS, HEAD_DIM, SEQ = 2, 2, 4, 16  # 2 cp = 8 chunks of 2 positions on 4 ranks
 SPLITS = [f"{split} {kernel}" for split in ("balanced", "plain") for kernel in ("flash", "math")]
@@ -192,6 +194,49 @@ def test_memory_is_the_papers_six_blocks_and_the_layer_divided_by_cp():
     assert attention_memory(s, b, h, a, cp=1)["in_flight"] == 0
     one = activation_bytes_per_layer(s, b, h, a, recompute="selective")
     assert activation_bytes(s, b, h, a, cp=4) == one // 4 + attention_memory(s, b, h, a, cp=4)["in_flight"]
+
+
+def test_a_long_sequences_memory_is_states_kept_activations_working_set_and_logits():
+    """long_sequence_memory, notebook 07's table: each part from the formula it cites, each counted once."""
+    cfg, s, GB = get_preset("22b"), 131072, 1e9
+    h, a, L, V = cfg.hidden, cfg.heads, cfg.n_layers, cfg.padded_vocab
+    psi = count_params(cfg, padded=True)
+    tp8 = long_sequence_memory(cfg, s, tp=8)
+    assert tp8["states"] == sum(model_state_bytes(psi, "mixed", model_parallel=8).values()) == 16 * psi // 8
+    assert round(tp8["states"] / GB) == 44  # 22B at 16 bytes a parameter over 8 GCDs
+    assert tp8["activations"] == L * 34 * s * h // 8 and tp8["working"] == 0 and tp8["stage"] == "only"
+    assert tp8["logits"] == 4 * s * V // 8
+    assert tp8["total"] == tp8["states"] + tp8["activations"] + tp8["working"] + tp8["logits"]
+    full = long_sequence_memory(cfg, s, tp=8, recompute="full")  # each layer's input, and one layer recomputed
+    assert full["activations"] == L * 2 * s * h // 8 and full["working"] == 34 * s * h // 8
+    # CP: every activation and the logits over cp; the K/V blocks in flight once, as stage_activation_bytes counts them
+    cp8 = long_sequence_memory(cfg, s, tp=8, cp=8)
+    in_flight = attention_memory(s, 1, h // 8, a // 8, 8)["in_flight"]
+    assert cp8["activations"] == L * 34 * (s // 8) * h // 8 and cp8["working"] == in_flight
+    assert cp8["activations"] + cp8["working"] == stage_activation_bytes(L, s, 1, h, a, 8, 8, "selective",
+                                                                         sequence_parallel=True)
+    assert cp8["logits"] == tp8["logits"] // 8 and cp8["states"] == tp8["states"]  # CP ranks hold the same weights
+    # ZeRO-1 shards the optimizer states over dp x cp
+    zero = long_sequence_memory(cfg, s, tp=8, cp=8, zero=1)
+    assert zero["optimizer"] == -(-cp8["optimizer"] // 8) and zero["params"] == cp8["params"]
+    # PP under 1F1B: one micro-batch in flight, each stage L / pp layers (the last one also the logits);
+    # with m >= pp the first stage holds pp micro-batches of them, L layers' worth, as without PP
+    one = long_sequence_memory(cfg, s, tp=8, pp=8, microbatches=1)
+    assert one["stage"] == "last" and one["activations"] * 8 == tp8["activations"] and one["logits"] == tp8["logits"]
+    deep = long_sequence_memory(cfg, s, tp=8, pp=8, microbatches=8)
+    assert deep["stage"] == "first" and deep["activations"] == tp8["activations"] and deep["logits"] == 0
+    assert deep["states"] * 8 == pytest.approx(tp8["states"], abs=16)
+    with pytest.raises(ValueError, match="ring attention stores no scores"):
+        long_sequence_memory(cfg, s, tp=8, cp=8, recompute="none")
+
+
+def test_stage_activations_with_sequence_parallelism_shard_what_tp_leaves_replicated():
+    s, h, a = 8192, 1024, 16
+    plain = stage_activation_bytes(4, s, 1, h, a, cp=2, tp=4, recompute="selective")
+    sharded = stage_activation_bytes(4, s, 1, h, a, cp=2, tp=4, recompute="selective", sequence_parallel=True)
+    in_flight = attention_memory(s, 1, h // 4, a // 4, 2)["in_flight"]
+    assert plain - in_flight == 4 * (s // 2) * h * (10 + 24 // 4)
+    assert sharded - in_flight == 4 * (s // 2) * h * 34 // 4
 
 
 def test_the_block_that_hides_communication_is_the_papers_1k_for_an_a100_over_nvlink():

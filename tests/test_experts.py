@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import planted_copy
-from labsupport.estimate.experts import expert_params, moe_comm, moe_layer_params
+from labsupport.estimate.experts import MIXTRAL_8X7B, expert_params, moe_comm, moe_layer_params, moe_model_params
 from labsupport.launch import launch
 from labsupport.parallel import experts
 from labsupport.parallel.experts import MoE, problems
@@ -124,6 +124,8 @@ def test_parameter_counts():
     assert round((rest + layers * mixtral["total"]) / 1e9, 1) == 46.7
     assert round((rest + layers * mixtral["active"]) / 1e9, 1) == 12.9
     assert expert_params(d, 14336, gated=True, bias=False) == 3 * d * 14336
+    counted = moe_model_params(**MIXTRAL_8X7B)  # the same count, as notebook 07 shows it
+    assert counted == {"total": rest + layers * mixtral["total"], "active": rest + layers * mixtral["active"]}
 
 
 # ---------------------------------------------------------------- expert parallelism on real ranks

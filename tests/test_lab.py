@@ -597,11 +597,24 @@ RING_STEP_WRONG = [
     ("return out, merged, k_next, v_next", "return block_out, block_lse, k_next, v_next", r"by inf: .* do not replace them"),
 ]
 
-DISPATCH_WRONG = [
+DISPATCH_WRONG = [  # each message says what was checked, what was expected and what came back
     ("order = choice.argsort(stable=True)", "order = torch.arange(len(choice))",
-     r"the counts are right but the rows in `order` go to ranks \[.*\]: .* sort by expert"),
-    ("choice // (n_experts // ep)", "choice % ep", r"send_counts is \[\d+, \d+\], the choices .* need"),
+     r"checked on rank \d: your send_counts \[\d+, \d+\] are right, but all_to_all_single sends the first "
+     r"send_counts\[0\] rows to rank 0, .* should go to ranks \[0, .*, 1\] in that order; yours go to \[.*\]"),
+    ("choice // (n_experts // ep)", "choice % ep",
+     r"checked on rank \d with choice = \[.*\] \(4 experts, 2 a rank: expert e lives on rank e // 2\): "
+     r"send_counts should be \[\d+, \d+\], yours is \[\d+, \d+\]"),
+    ("order = choice.argsort(stable=True)", "order = choice.argsort(stable=True)[:-1]",
+     r"checked on rank \d, 12 tokens: order should hold each token index 0 \.\.\. 11 once, .*; yours is \["),
+    # wrong on rank 1 only: rank 0 must not wait for it in an all-to-all; the verdict is rank 1's
+    ("order = choice.argsort(stable=True)",
+     "order = choice.argsort(stable=True) if comm.get_rank() == 0 else torch.arange(len(choice))",
+     r"^checked on rank 1: your send_counts"),
 ]
+
+# partial fixes of the bug lab: the symptom says how far the loss is now against the cell as shipped
+RING_QUERIES_ONLY = ("owner * c + torch.arange(c)", "torch.arange(c)")  # the queries' positions fixed, the keys' not
+RING_KEYS_ONLY = ("rank * c + torch.arange(c)", "torch.arange(c)")      # the keys' positions fixed, the queries' not
 
 
 @pytest.mark.multiprocess
@@ -609,10 +622,11 @@ def test_context_and_experts_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     for name in ("ring_step", "dispatch"):
         status, out = grade(name, solution(name), capsys)
         assert status == ex.SOLVED, out
+    assert "checked on 2 ranks, 12 tokens each: with your order and send_counts" in out, out
     for name, cases in (("ring_step", RING_STEP_WRONG), ("dispatch", DISPATCH_WRONG)):
         for old, new, feedback in cases:
             status, message = grade(name, mutate(name, old, new), capsys)
-            assert status == ex.WRONG and re.search(feedback, message), (new, message)
+            assert status == ex.WRONG and re.search(feedback, message.split(": ", 1)[1]), (new, message)
     template = "def dispatch(choice, n_experts, ep):\n    raise NotImplementedError\n"
     assert grade("dispatch", template, capsys)[0] == ex.UNSOLVED
     # the causal mask built from local positions: a plausible loss, gradients off; the symptom names no cause
@@ -623,7 +637,39 @@ def test_context_and_experts_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     assert re.search(r"the loss is [\d.]+ \(dense attention's: [\d.]+\), and the gradients are not the dense ones: "
                      r"d[qkv] on rank \d is \d+% off", out), out
     assert "position" not in out and "mask" not in out, out
-    assert grade("causal_ring_attention", solution("causal_ring_attention"), capsys)[0] == ex.SOLVED
+    shipped, dense = map(float, re.search(r"the loss is ([\d.]+) \(dense attention's: ([\d.]+)\)", out).groups())
+    # a partial fix: the loss against dense attention's, now and as shipped, and which way the change moved it
+    for old, new in (RING_QUERIES_ONLY, RING_KEYS_ONLY):
+        status, message = grade("causal_ring_attention", mutate("causal_ring_attention", old, new), capsys)
+        m = re.search(r"your change was checked, and the bug is still there: the loss is ([\d.]+), ([\d.]+) from dense "
+                      r"attention's ([\d.]+) \(as shipped: ([\d.]+), ([\d.]+) from it\): your change moved it "
+                      r"(closer to|further from) dense attention's\. Still, the gradients are not the dense ones",
+                      message)
+        assert status == ex.BUGGY and m, message
+        now, gap, dense_now, as_shipped, gap_shipped, moved = m.groups()
+        assert (float(dense_now), float(as_shipped)) == (dense, shipped)
+        assert moved == ("closer to" if float(gap) < float(gap_shipped) else "further from"), message
+        assert "position" not in message and "mask" not in message, message
+    status, out = grade("causal_ring_attention", solution("causal_ring_attention"), capsys)
+    assert status == ex.SOLVED and ex.get("causal_ring_attention").lesson in out, out
+
+
+def test_the_ring_bug_labs_loss_line_says_how_the_loss_moved():
+    from labsupport.lab.nb07_context_and_experts import _loss_line
+    assert _loss_line(2.3327, 2.2118, 2.3327) == ("the loss is 2.3327 (dense attention's: 2.2118)", ", and")
+    assert _loss_line(2.2118, 2.2118, 2.3327) == ("the loss is now dense attention's, 2.2118 (as shipped: 2.3327)",
+                                                  ", but")
+    closer, join = _loss_line(2.25, 2.2118, 2.3327)
+    assert closer.endswith("0.0382 from dense attention's 2.2118 (as shipped: 2.3327, 0.1209 from it): your change "
+                           "moved it closer to dense attention's") and join == ". Still,"
+    assert "further from" in _loss_line(2.5, 2.2118, 2.3327)[0]
+
+
+def test_the_ring_bug_labs_cause_and_lesson():
+    lab = ex.get("causal_ring_attention")
+    assert {"local index", "local indices", "global position"} <= set(lab.cause)
+    assert "compared local indices" in lab.lesson and "global positions" in lab.lesson
+    assert "looked like a loss" in lab.lesson
 
 
 # ---------------------------------------------------------------- the attendee's copy (make lab)

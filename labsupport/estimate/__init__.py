@@ -10,7 +10,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   comm_cost         alpha-beta time of each collective (ring, tree, ...), nccl-tests bus bandwidth
   collective_steps  which chunk each rank sends at each step of each collective (runtime + widget)
   tp_comm           tensor (and sequence) parallelism's collectives per step (Shoeybi, Korthikanti)
-  context           context parallelism: activations over cp, K/V blocks in flight, the ring's traffic (Liu et al.)
+  context           context parallelism: activations over cp, K/V blocks in flight, the ring's traffic (Liu et al.),
+                    and a long sequence's memory per device, model states to logits
   experts           mixture-of-experts parameters (total, active) and expert parallelism's all-to-all (GShard)
   machines          node presets (Frontier, DGX A100 / H100): devices, links, peaks, memory
   schedules         pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as action lists (runtime + widget)

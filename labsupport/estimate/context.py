@@ -5,14 +5,19 @@ Context parallelism (CP) cuts the sequence over `cp` ranks; ring attention (Liu 
 blocks around the ring so that every query still sees every earlier key. With a causal mask the
 balanced split gives each rank one chunk from the front and one from the back of the sequence
 (2 cp chunks of s / (2 cp) positions), as Llama 3 (Dubey et al. 2024, Sec 3.3.2) and Megatron-LM's
-context parallelism do, so every rank computes the same number of scores.
+context parallelism do, so every rank computes the same number of scores. (Striped Attention,
+Brandon et al. 2023, balances the same work with another assignment: rank r holds the positions
+r, r + cp, r + 2 cp, ...)
 
 Sizes are bytes per rank, for one layer and one micro-batch: b = micro_batch, c = seq_len / cp (the
-block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp).
+block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp), except
+`long_sequence_memory`: everything a device holds in a training step on long sequences, model
+states, activations, the working set of the layer in its backward and the logits.
 """
 from __future__ import annotations
 
-from .memory import activation_bytes_per_layer
+from .memory import RECOMPUTE, activation_bytes_per_layer, model_state_bytes
+from .params import count_params
 
 GRAD_BYTES = 4  # the travelling dK and dV sums are kept in fp32, whatever the compute dtype
 LSE_BYTES = 4   # the log-sum-exp of each query row, fp32
@@ -69,7 +74,8 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, cp
 
 
 def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int,
-                           tp: int = 1, recompute: str = "none", dtype_bytes: int = 2) -> int:
+                           tp: int = 1, recompute: str = "none", dtype_bytes: int = 2, *,
+                           sequence_parallel: bool = False) -> int:
     """What the first pipeline stage keeps under CP: `n_layers` layers' activations for s / cp
     positions, plus the K/V blocks in flight once.
 
@@ -77,11 +83,79 @@ def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden
     Sec 4.2.3), each layer divided by cp as in `activation_bytes`, without scores (ring attention
     stores none, so "none" keeps what "selective" keeps); full recomputation keeps each layer's
     input only. The received blocks live while one layer's attention runs, so they count once.
+    `sequence_parallel` shards what plain TP leaves replicated (Korthikanti Sec 4.2.2).
     """
     kept = "full" if recompute == "full" else "selective"
-    per_layer = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp, recompute=kept)
+    per_layer = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
+                                           sequence_parallel=sequence_parallel, recompute=kept)
     in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes)["in_flight"]
     return n_layers * per_layer + in_flight
+
+
+LOGIT_BYTES = 4  # the loss is computed on fp32 logits
+
+
+def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                         microbatches: int = 1, micro_batch: int = 1, recompute: str = "selective",
+                         precision: str = "mixed", sequence_parallel: bool = True) -> dict:
+    """Bytes per device of a training step on sequences of `seq_len` positions, everything it holds
+    at once: {"params", "grads", "optimizer", "states" (their sum), "activations", "working",
+    "logits", "total", "stage"}.
+
+    Model states (Rajbhandari et al. 2020, "ZeRO", Sec 3.1 and 5.1; `memory.model_state_bytes`):
+    the parameters of `cfg` as it is (its own learned positions: the count does not grow with
+    `seq_len`; a long-context model's rotary positions hold no parameters either), split evenly
+    over tp x pp. ZeRO shards them over the dp x cp ranks, which all hold the same weights:
+    Megatron-LM builds its distributed optimizer on that group
+    (`get_data_parallel_group(with_context_parallel=True)`).
+
+    Activations kept for the backward (Korthikanti et al. 2022, "Reducing Activation Recomputation
+    in Large Transformer Models", Sec 4 and Table 2; `memory.activation_bytes_per_layer`, 16-bit,
+    sequence-parallel with tp unless told otherwise): each layer's for this rank's s / cp
+    positions. No scores: "selective" is a kernel that stores none (FlashAttention, ring attention);
+    "none" keeps them, and only without CP (ring attention never forms them whole); "full" keeps
+    each layer's input only. A pipeline stage holds its L / pp layers once for every micro-batch in
+    flight: under 1F1B the first stage has min(m, pp) of them (Narayanan et al. 2021, Sec 2.2.1;
+    with m >= pp, L layers' worth, as Korthikanti Sec 4.2.3 counts it), the last stage one.
+
+    Working set, alive while one layer runs its backward: with full recomputation that layer's
+    activations, rematerialised (what "selective" keeps of one layer); under CP the K/V blocks in
+    flight (`attention_memory`), once and not once per layer, as `stage_activation_bytes` counts them.
+
+    Logits: the last stage's, in fp32, 4 b (s / cp) V / tp bytes (V the padded vocabulary).
+    Megatron-LM computes the loss on `logits.float()` unless `--fp16-lm-cross-entropy` is given and
+    keeps that copy for the backward; Korthikanti et al. 2022 count the same 4 s b v / t.
+
+    `total` is the sum of the four for the fuller of the first and the last pipeline stage
+    (`stage`; "only" without PP). The logits are freed before the last layer is recomputed, so the
+    sum overcounts by the smaller of those two; it leaves out the gradients a layer's backward
+    allocates, the embedding's dropout mask, the allocator's fragmentation and communication buffers.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+    if recompute == "none" and cp > 1:
+        raise ValueError("ring attention stores no scores: under CP use recompute='selective' or 'full'")
+    if cfg.n_layers % pp or cfg.heads % tp or seq_len % (cp * tp if sequence_parallel else cp):
+        raise ValueError(f"{cfg.n_layers} layers, {cfg.heads} heads and {seq_len} positions must split over "
+                         f"pp {pp}, tp {tp} and cp {cp}"
+                         + (" x tp (sequence parallelism)" if sequence_parallel else ""))
+    local = seq_len // cp
+    states = model_state_bytes(count_params(cfg, padded=True), precision, dp=dp * cp, zero=zero, model_parallel=tp * pp)
+    states["states"] = states["params"] + states["grads"] + states["optimizer"]
+
+    def layer(kept: str) -> int:
+        return activation_bytes_per_layer(local, micro_batch, cfg.hidden, cfg.heads, tp, sequence_parallel, kept)
+
+    per_layer = layer(recompute)
+    in_flight = attention_memory(seq_len, micro_batch, cfg.hidden // tp, cfg.heads // tp, cp)["in_flight"]
+    working = in_flight + (layer("selective") if recompute == "full" else 0)
+    logits = -(-LOGIT_BYTES * micro_batch * local * cfg.padded_vocab // tp)
+    layers = cfg.n_layers // pp
+    stages = {"only": (layers * per_layer, logits)} if pp == 1 else {
+        "first": (min(microbatches, pp) * layers * per_layer, 0), "last": (layers * per_layer, logits)}
+    stage, (activations, stage_logits) = max(stages.items(), key=lambda item: sum(item[1]))
+    return {**states, "activations": activations, "working": working, "logits": stage_logits,
+            "total": states["states"] + activations + working + stage_logits, "stage": stage}
 
 
 def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> dict:

@@ -44,6 +44,29 @@ def moe_layer_params(hidden: int, ffn: int, n_experts: int, top_k: int, *, gated
     return {"total": router + n_experts * one, "active": router + top_k * one, "router": router}
 
 
+# Mixtral 8x7B's shape: Jiang et al. 2024, "Mixtral of Experts", Table 1 (dim 4096, n_layers 32, head_dim
+# 128, hidden_dim 14336, n_heads 32, n_kv_heads 8, vocab_size 32000, num_experts 8, top_k_experts 2).
+MIXTRAL_8X7B = dict(n_layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=32000,
+                    n_experts=8, top_k=2)
+
+
+def moe_model_params(n_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+                     n_experts: int, top_k: int) -> dict:
+    """{"total", "active"}: the parameters of a decoder built as Mixtral is, and those one token uses.
+
+    Jiang et al. 2024, Sec. 2: Mistral 7B's architecture with every MLP a mixture of SwiGLU experts.
+    Per layer: grouped-query attention without biases (the query and output projections hidden x
+    heads head_dim, the key and value projections hidden x kv_heads head_dim), two RMSNorm weights,
+    and the MoE layer (`moe_layer_params`, gated, bias-free); around the layers an untied embedding
+    and LM head (vocab x hidden each) and a final RMSNorm. A token uses the router and top_k experts
+    of each layer and everything else. Mixtral 8x7B: 46.7B and 12.9B (Mistral AI's release; the
+    paper rounds them to 47B and 13B)."""
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    dense = n_layers * (attention + 2 * hidden) + 2 * vocab * hidden + hidden
+    moe = moe_layer_params(hidden, ffn, n_experts, top_k, gated=True, bias=False)
+    return {"total": dense + n_layers * moe["total"], "active": dense + n_layers * moe["active"]}
+
+
 def moe_comm(tokens: int, hidden: int, top_k: int, n_experts: int, ep: int, *, dropped: int = 0,
              bytes_per_element: int = 4) -> dict:
     """{"forward": {op: {"calls", "payload_bytes", "wire_bytes"}}, "backward": ...}: one MoE layer's

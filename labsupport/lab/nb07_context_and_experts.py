@@ -272,9 +272,41 @@ def _toy_loss(out, head, targets, n_tokens):
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum") / n_tokens
 
 
+def _as_shipped_loss(q, k, v, head, targets, n_tokens, cp) -> float:
+    """The loss the cell gives as shipped, for every rank's rows, computed in this process: the
+    check compares an attempt's loss with it, so that a partial fix says whether it moved closer."""
+    import torch
+    c = q.shape[-2] // cp
+    same = torch.ones(c, c, dtype=torch.bool).tril()
+    total = 0.0
+    for rank in range(cp):
+        mine = _mine(q, rank, cp)
+        out, lse = torch.zeros_like(mine), torch.full(mine.shape[:-1], float("-inf"))
+        for step in range(cp):
+            held = (rank - step) % cp
+            out, lse = merge(out, lse, *attend(mine, _mine(k, held, cp), _mine(v, held, cp), same))
+        total += _toy_loss(out, head, targets.chunk(cp, dim=-1)[rank], n_tokens).item()
+    return total
+
+
+def _loss_line(now: float, dense: float, shipped: float) -> tuple[str, str]:
+    """What the symptom says about the loss, and the word that joins the gradients' line to it:
+    as shipped, the loss beside dense attention's; after a change, how far it is now against how far
+    it was as shipped."""
+    if abs(now - shipped) <= 1e-5:
+        return f"the loss is {now:.4f} (dense attention's: {dense:.4f})", ", and"
+    if abs(now - dense) <= 1e-5:
+        return f"the loss is now dense attention's, {dense:.4f} (as shipped: {shipped:.4f})", ", but"
+    gap, gap_shipped = abs(now - dense), abs(shipped - dense)
+    moved = "closer to" if gap < gap_shipped else "further from"
+    return (f"the loss is {now:.4f}, {gap:.4f} from dense attention's {dense:.4f} (as shipped: {shipped:.4f}, "
+            f"{gap_shipped:.4f} from it): your change moved it {moved} dense attention's", ". Still,")
+
+
 def check_causal_ring(causal_ring_attention) -> dict:
     """The attendee's ring attention against dense causal attention on this rank's rows: the loss
-    (`_toy_loss`, summed over the ranks) and the gradients of q, k and v."""
+    (`_toy_loss`, summed over the ranks) and the gradients of q, k and v. A wrong attempt's message
+    gives its loss beside dense attention's and, once it differs from the cell as shipped, beside that."""
     import torch
 
     from .. import comm
@@ -305,8 +337,9 @@ def check_causal_ring(causal_ring_attention) -> dict:
     worst = everyone.max().item()
     if worst > 1e-4:
         r, which = divmod(int(everyone.argmax()), 3)
-        return {"status": "wrong", "message": f"the loss is {total.item():.4f} (dense attention's: "
-                                              f"{dense_loss.item():.4f}), and the gradients are not the dense ones: "
+        shipped = _as_shipped_loss(q, k, v, head, targets, n_tokens, cp)
+        loss_line, join = _loss_line(total.item(), dense_loss.item(), shipped)
+        return {"status": "wrong", "message": f"{loss_line}{join} the gradients are not the dense ones: "
                                               f"d{'qkv'[which]} on rank {r} is {worst:.0%} off in norm (relative)"}
     return {"status": "ok"}
 
@@ -325,8 +358,20 @@ register(Exercise(
            "keys may a query see under a causal mask, and how does the cell decide which ones those are?",
            "The mask compares positions. Print `positions` and `k_positions` on rank 1 at step 1: which positions of "
            "the sequence do its queries and the block it holds have?",
-           "Rank r's queries are positions r c ... r c + c - 1 of the sequence, and the block held at a step is "
-           "`owner`'s: owner c + arange(c). Compare global positions."),
+           "Rank r's queries are positions r c ... r c + c - 1 of the sequence. At step t it holds the block of rank "
+           "owner = (r - t) mod cp, whose keys are positions owner c ... owner c + c - 1. Compare those."),
+    lesson=("The mask compared local indices, 0 ... c - 1, for the queries and for every block of keys alike, so each "
+            "rank treated every block it held as its own diagonal block. On two ranks, rank 0's queries saw part of "
+            "rank 1's block, keys that come after them in the sequence, and rank 1's queries saw only part of rank "
+            "0's block, which lies wholly before them. A causal mask compares global positions: rank x c + i for this "
+            "rank's queries, owner x c + j for the keys of the block held at a step, owner = (rank - step) mod cp.\n"
+            "Why the loss looked like a loss: every query still attended to some keys and its softmax still summed "
+            "to one, so each output was a weighted mean of values and the loss a plausible number; nothing in a "
+            "forward pass says which keys were used. A mask that lets a query see later positions can even make "
+            "training look better than it is: the model can copy the token it should predict. Only a comparison "
+            "with the dense computation, outputs and gradients, catches such a bug, which is why every mechanism "
+            "in this workbook is held to one."),
+    cause=("local index", "local indices", "local position", "global position", "rank * c", "owner * c"),
     solution='''
 from labsupport.lab.nb07_context_and_experts import attend, merge, pass_on
 
@@ -354,11 +399,38 @@ def causal_ring_attention(q, k, v):
 N_EXPERTS = 4
 
 
+def _dispatch_problem(got, choice, n_tokens: int, rank: int, ep: int) -> str | None:
+    """What is wrong with the attendee's (order, send_counts) on this rank, before any row is sent."""
+    import torch
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"checked on rank {rank}: dispatch should return a pair (order, send_counts); it returned {got!r:.80}"
+    order, send = torch.as_tensor(got[0]), [int(n) for n in got[1]]
+    per_rank = N_EXPERTS // ep
+    if sorted(order.tolist()) != list(range(n_tokens)):
+        return (f"checked on rank {rank}, {n_tokens} tokens: order should hold each token index 0 ... {n_tokens - 1} "
+                f"once, in the order the rows are sent; yours is {order.tolist()}")
+    if len(send) != ep or sum(send) != n_tokens:
+        return (f"checked on rank {rank}: send_counts should hold {ep} counts, one per rank, adding up to the "
+                f"{n_tokens} rows sent; yours is {send}")
+    want = [int((choice // per_rank == r).sum()) for r in range(ep)]
+    if send != want:
+        return (f"checked on rank {rank} with choice = {choice.tolist()} ({N_EXPERTS} experts, {per_rank} a rank: "
+                f"expert e lives on rank e // {per_rank}): send_counts should be {want}, yours is {send}")
+    dest = (choice[order] // per_rank).tolist()
+    if dest != sorted(dest):
+        return (f"checked on rank {rank}: your send_counts {send} are right, but all_to_all_single sends the first "
+                "send_counts[0] rows to rank 0, the next send_counts[1] to rank 1, and so on, so the rows of "
+                f"tokens[order] should go to ranks {sorted(dest)} in that order; yours go to {dest}")
+    return None
+
+
 def check_dispatch(dispatch) -> dict:
     """Each rank routes 12 tokens (top-1) to 4 experts, 2 per rank. With the attendee's (order,
     send_counts) the rows go out by comm.all_to_all_single; each rank's experts scale their rows by
     expert + 1 (each rank also sends the rows' expert numbers, so that a wrong rank is named); the
-    rows come back by the reverse all-to-all and are added to the tokens at `order`."""
+    rows come back by the reverse all-to-all and are added to the tokens at `order`. The ranks agree
+    first that every rank's answer passed the checks made before sending, so that a rank whose answer
+    is wrong never leaves the others waiting in an all-to-all."""
     import torch
 
     from .. import comm
@@ -367,31 +439,18 @@ def check_dispatch(dispatch) -> dict:
     tokens = torch.randn(12, 3, generator=g)
     choice = torch.randint(0, N_EXPERTS, (12,), generator=g)
     result = on_ranks.on_rank(dispatch, choice.clone(), N_EXPERTS, ep)
+    if result["status"] == "ok":
+        problem = _dispatch_problem(result["value"], choice, len(tokens), rank, ep)
+        if problem is not None:
+            result = {"status": "wrong", "message": problem}
+    failed = torch.tensor([float(result["status"] != "ok")])
+    comm.all_reduce(failed, "sum")
     if result["status"] != "ok":
         return result
-    got = result["value"]
-    if not (isinstance(got, tuple) and len(got) == 2):
-        return {"status": "wrong", "message": "dispatch should return (order, send_counts)"}
-    order, send = got
-    order = torch.as_tensor(order)
-    send = [int(n) for n in send]
+    if failed.item():
+        return {"status": "ok"}  # another rank's answer failed: its message is the verdict
+    order, send = torch.as_tensor(result["value"][0]), [int(n) for n in result["value"][1]]
     per_rank = N_EXPERTS // ep
-    want = [int((choice // per_rank == r).sum()) for r in range(ep)]
-    if sorted(order.tolist()) != list(range(len(tokens))):
-        return {"status": "wrong", "message": f"on rank {rank} order is {order.tolist()}: it should name each of "
-                                              f"the {len(tokens)} tokens once, in the order their rows are sent"}
-    if len(send) != ep or sum(send) != len(tokens):
-        return {"status": "wrong", "message": f"on rank {rank} send_counts is {send}: one count per rank ({ep}), "
-                                              f"adding up to the {len(tokens)} rows sent"}
-    if send != want:
-        return {"status": "wrong", "message": f"on rank {rank} send_counts is {send}, the choices {choice.tolist()} "
-                                              f"need {want}: rank r holds experts r E/ep ... (r + 1) E/ep - 1, here "
-                                              f"{per_rank} a rank"}
-    dest = (choice[order] // per_rank).tolist()
-    if dest != sorted(dest):
-        return {"status": "wrong", "message": f"on rank {rank} the counts are right but the rows in `order` go to "
-                                              f"ranks {dest}: all_to_all_single sends the first send_counts[0] rows "
-                                              "to rank 0, the next send_counts[1] to rank 1, ...; sort by expert"}
     counts = torch.tensor(send)
     recv = torch.empty_like(counts)
     comm.all_to_all_single(recv, counts)
@@ -399,21 +458,25 @@ def check_dispatch(dispatch) -> dict:
     comm.all_to_all_single(rows, tokens[order], recv.tolist(), send)
     experts = torch.empty(int(recv.sum()), dtype=torch.long)
     comm.all_to_all_single(experts, choice[order], recv.tolist(), send)
-    if not all(int(e) // per_rank == rank for e in experts):
-        return {"status": "wrong", "message": f"rank {rank} received rows for experts {experts.tolist()}, "
-                                              "not all its own"}
+    own = list(range(rank * per_rank, (rank + 1) * per_rank))
+    if not all(int(e) in own for e in experts):
+        return {"status": "wrong", "message": f"checked on rank {rank}: the rows it receives should all be for its "
+                                              f"experts {own}; they were for experts {experts.tolist()}"}
     back = torch.empty(len(tokens), tokens.shape[1])
     comm.all_to_all_single(back, rows * (experts[:, None] + 1), send, recv.tolist())
     out = torch.zeros_like(tokens).index_add(0, order, back)
-    if not torch.allclose(out, tokens * (choice[:, None] + 1)):
-        return {"status": "wrong", "message": f"on rank {rank} the combined outputs are not each token's expert's"}
+    bad = [i for i in range(len(tokens)) if not torch.allclose(out[i], tokens[i] * (choice[i] + 1))]
+    if bad:
+        return {"status": "wrong", "message": f"checked on rank {rank}: after the round trip token i should be back "
+                                              f"at place i, times its expert + 1; tokens {bad} are not"}
     return {"status": "ok"}
 
 
 def grade_dispatch(fn, source) -> str:
     return on_ranks.grade(source, __name__, "check_dispatch(dispatch)", RANKS,
-                          f"on {RANKS} ranks every token's row reached its expert's rank by one all-to-all and came "
-                          "back to its place", "Every rank must make the same all-to-all calls", timeout=30)
+                          f"checked on {RANKS} ranks, 12 tokens each: with your order and send_counts every token's "
+                          "row reached its expert's rank in one all-to-all and came back to its own place",
+                          "Every rank must make the same all-to-all calls", timeout=30)
 
 
 register(Exercise(
@@ -436,14 +499,23 @@ def dispatch(choice, n_experts, ep):
 # and not in the notebook's cell, which the attendee reads before predicting.
 WHY = {
     "scores_share": ("Per position the layer keeps 34 s b h bytes of single-position activations and 5 a s^2 b of "
-                     "scores, so the scores' share is 5 a s / h over 34 + 5 a s / h: 5 x 48 x 131,072 / 6144 = 5,120 "
-                     "against 34. Already at 2,048 tokens the scores are the larger part; at 128k they are nearly "
-                     "all of it."),
+                     "s^2 terms (the softmax's output, its dropout mask and the dropout's output), so their share is "
+                     "5 a s / h over 34 + 5 a s / h: 5 x 48 x 131,072 / 6144 = 5,120 against 34. Already at 2,048 "
+                     "tokens they are the larger part; at 128k they are nearly all of it."),
     "plain_ratio": ("Rank 0 holds the first half of the sequence: its queries see only its own keys, one block, on "
-                    "the diagonal. Rank 1's queries see all of rank 0's keys (a whole block) and their own (the "
-                    "diagonal block): two. The counter counts the diagonal block whole; of the scores the mask keeps, "
-                    "rank 1 computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2). On cp ranks the "
-                    "plain split's last rank computes cp blocks and its first one."),
+                    "the diagonal; rank 1's block, all later, is hidden and skipped. Rank 1's queries see all of rank "
+                    "0's keys (a whole block) and their own (the diagonal block): two. A block on the diagonal costs "
+                    "a whole one, since the kernel runs on the whole block; of the scores the mask keeps, rank 1 "
+                    "computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2). On cp ranks the plain "
+                    "split's rank r computes r + 1 blocks: the last rank cp, the first one. The step time is the "
+                    "slowest rank's, so as cp grows the plain split leaves nearly half of the machine idle."),
+    "balanced_share": ("Two ranks cut the sequence into 2 cp = 4 chunks of s/4 positions: rank 0 holds chunks 0 and "
+                       "3, rank 1 chunks 1 and 2. Of the 4 x 5 / 2 = 10 chunk pairs the mask leaves visible (those on "
+                       "the diagonal counted whole), each rank computes 5 of (s/4)^2 scores: 10 s^2/16 in all. The "
+                       "plain split's chunks are s/2 long: 3 pairs of (s/2)^2, 12 s^2/16. So the balanced split "
+                       "computes 10/12 = 5/6 of it: its blocks on the diagonal, counted whole though the mask hides "
+                       "half of each, are smaller. On cp ranks the share is (2 cp + 1) / (2 cp + 2); both splits "
+                       "tend to the s^2/2 scores the mask keeps."),
     "ring_sends": ("Forward: rank 0 sends its K and V blocks once, to its neighbour (cp - 1 = 1 hop): 2 blocks. "
                    "Backward: K and V travel again, and beside them the sums of dK and dV for the block, which collect "
                    "each rank's contribution on their way back to its owner: 4 blocks. 6 blocks of "
