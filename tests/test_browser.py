@@ -178,6 +178,34 @@ def test_comm_counter_follows_t_and_the_machine_in_jupyterlab(lab, page, request
         assert "12.5 GB/s per direction" in shown[-1] and f"= {expected.prediction['ratio']:.3g}." in shown[-1]
 
 
+_COMM_WIDTHS_JS = """() => {
+  const w = document.querySelector('.labsupport-comm'), out = w.closest('.jp-OutputArea-output');
+  const table = w.querySelector('.labsupport-comm-table div'), img = w.querySelector('.labsupport-comm-figure');
+  return {output: out.clientWidth, widget: w.scrollWidth, output_scroll: out.scrollWidth,
+          table: table.scrollWidth, table_box: table.clientWidth, figure: img.naturalWidth};
+}"""
+
+
+def test_comm_counter_fits_the_output_area_in_jupyterlab(lab, page, request):
+    """Issue 28: with a run's counts the comm counter was wider than the output area (its table's last column
+    cut to "co...", a scrollbar). In a 1280-px window with the file browser open, nothing scrolls sideways:
+    not the output, not the table, and the figure is drawn at its own size."""
+    with artifacts_on_failure(page, request.node.name, lab):
+        write_notebook(lab.root / "comm_width.ipynb",
+                       "from labsupport.widgets.comm_counter import CommCounterWidget\n"
+                       "from labsupport.estimate.tp_comm import step_cost\n"
+                       "run = dict(tp=2, vocab=65, bytes_per_element=4, sequence_parallel=True, micro_batch=16)\n"
+                       "w = CommCounterWidget('micro', **run, measured=step_cost('micro', **run)['total'])\n"
+                       "w.widget")
+        run_notebook_in_browser(page, lab, "comm_width.ipynb")
+        page.locator(".labsupport-comm-figure").wait_for(state="visible", timeout=30_000)
+        page.locator(".labsupport-comm-table", has_text="counted in the run").wait_for(state="visible", timeout=30_000)
+        sizes = page.evaluate(_COMM_WIDTHS_JS)
+        assert sizes["widget"] <= sizes["output"] and sizes["output_scroll"] <= sizes["output"], sizes
+        assert sizes["table"] <= sizes["table_box"], sizes
+        assert 0 < sizes["figure"] <= sizes["output"], sizes
+
+
 def table_text(w: PlannerWidget) -> str:
     """The table as Chromium's inner_text renders it: cells joined by tabs, rows by newlines."""
     return "\n".join("\t".join(row) for row in [HEADER] + w.rows)

@@ -6,7 +6,10 @@ import pytest
 
 matplotlib.use("Agg")
 
+import re  # noqa: E402
+
 from figures import px, text_px, texts_cut_or_overlapping  # noqa: E402
+from labsupport.widgets.figure import DPI  # noqa: E402
 from labsupport.estimate.comm_cost import collective_time  # noqa: E402
 from labsupport.estimate.flops import training_flops_per_token  # noqa: E402
 from labsupport.estimate.machines import MACHINES, link  # noqa: E402
@@ -14,6 +17,12 @@ from labsupport.estimate.tp_comm import step_cost, total, tp_comm  # noqa: E402
 from labsupport.model import PRESETS  # noqa: E402
 from labsupport.widgets import comm_counter as cc  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
+
+
+# JupyterLab's output area in a 1280-px-wide window with the file browser open is 848 px wide (Chromium,
+# JupyterLab 4); 800 leaves a margin. test_browser.test_comm_counter_fits_the_output_area_in_jupyterlab checks
+# the widget against the page itself.
+OUTPUT_AREA_PX = 800
 
 
 def fake_run(tp=2, sequence_parallel=False, micro_batch=4, global_batch=8, dtype="fp32", counted=None) -> dict:
@@ -126,7 +135,7 @@ def test_a_runs_counts_are_shown_beside_the_prediction_when_the_settings_match()
     assert w.options() == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=True, micro_batch=4,
                                microbatches=2, bytes_per_element=4, machine="DGX A100")
     assert w.matches_run() and "exactly the prediction" in w.text
-    assert "counted wire bytes" in w.table.value
+    assert "counted in the run" in w.table.value
     hatched = [p for p in w.figure().axes[0].patches if p.get_hatch() == "//"]
     assert [p.get_height() for p in hatched] == [c["wire_bytes"] for _, c in sorted(w.counted.items())]
 
@@ -169,7 +178,7 @@ def test_static_figure_stands_in_for_the_widget(monkeypatch):
     assert bar_heights(bytes_ax) == expected  # stacked: phase by phase, one bar per op
     assert [p.get_width() for p in times_ax.patches] == [w.prediction["comm_s"], w.prediction["compute_s"]]
     assert bytes_ax.get_title() == "22b, T = 8, sequence parallel"
-    assert times_ax.get_title() == f"comm / compute = {w.prediction['ratio']:.3g}\nDGX H100, 450 GB/s\ninside one node"
+    assert times_ax.get_title() == f"comm / compute = {w.prediction['ratio']:.3g}\nDGX H100\n450 GB/s inside one node"
     assert bar_heights(cc.comm_figure("22b", 8, sequence_parallel=True).axes[0]) == expected
     assert w.png.startswith(b"\x89PNG") and w.image.value == w.png
 
@@ -224,6 +233,32 @@ def test_table_numbers_stay_on_one_line():
     assert table.startswith("<div style='overflow-x:auto'><table>")
     cells = table.count("<td") + table.count("<th")
     assert cells > 20 and table.count("white-space:nowrap") == cells
+
+
+def test_the_table_is_no_wider_than_the_output_area():
+    """Issue 28: with the run's counts in three more columns the table was wider than JupyterLab's output
+    area (its last column cut to "co...", a scrollbar). The counts are rows now; every column's widest
+    cell, measured in the widget font, with its padding, fits the output area, and so does the figure."""
+    w = cc.CommCounterWidget(measured=fake_run(tp=2, sequence_parallel=True))
+    rows = re.findall(r"<tr>(.*?)</tr>", w.table.value)
+    cells = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row)] for row in rows]
+    assert {len(r) for r in cells} == {5} and any("counted in the run" in r[0] for r in cells)
+    width = sum(max(text_px(r[i]) if r[i] else 0 for r in cells) + 2 * 10 for i in range(5))
+    assert width <= OUTPUT_AREA_PX, f"the table is {width:.0f} px wide"
+    assert cc.FIGSIZE[0] * DPI <= OUTPUT_AREA_PX
+    assert all(px(c.layout.width) <= OUTPUT_AREA_PX for c in w.controls.values())
+
+
+@pytest.mark.parametrize("fig", [cc.CommCounterWidget(measured=fake_run(tp=2, sequence_parallel=True)).figure(),
+                                 cc.comm_figure("22b", 16, "Frontier (MI250X GCD)"),
+                                 cc.comm_figure("175b", 32, "DGX A100", sequence_parallel=True, microbatches=8)],
+                         ids=["04 tp + SP run, counted", "04 22b T = 16", "175b T = 32 SP"])
+def test_the_byte_axis_ends_above_the_tallest_bar(fig):
+    """Issue 28: the all_gather bar of 14.16 MB ran into the top of a 14 MB axis, and 22B's T = 16 bar into the
+    frame (the thin top layer of a stack pinned autoscaling to the stack's top). The axis has headroom."""
+    ax = fig.axes[0]
+    tallest = max(p.get_y() + p.get_height() for p in ax.patches)
+    assert ax.get_ylim()[1] >= 1.1 * tallest, (ax.get_ylim(), tallest)
 
 
 def pictures():

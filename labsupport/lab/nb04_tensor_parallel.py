@@ -204,6 +204,17 @@ register(Exercise(
            "The difference is (T - 1) x bias. Every rank's F.linear(x_shard, w_shard, bias) puts the bias into its "
            "partial sum, and the all-reduce adds up T partial sums.",
            "Multiply without the bias, all-reduce, then add the bias once, after the sum."),
+    cause=("T times", "(T - 1)", "before the all-reduce", "after the all-reduce", "after the sum", "bias once",
+           "bias (once)", "added once", "bias is added"),
+    lesson=("Why it drifted: F.linear(x_shard, w_shard, bias) puts the whole bias into every rank's partial sum, "
+            "and the all-reduce adds T partial sums, so the output carries the bias T times: (T - 1) x bias too "
+            "much, the same in every row whatever the input. A row-parallel layer multiplies without its bias, "
+            "all-reduces, and adds the bias once, after the sum; Megatron's RowParallelLinear adds it after "
+            "reduce_from_tensor_model_parallel_region (or hands it back unadded, skip_bias_add, for a fused kernel "
+            "to add). A column-parallel layer's bias is another matter: each rank's output columns are its own, so "
+            "its slice of the bias goes with them, as in the first exercise.\n"
+            "Why step 0 agreed: TinyGPT, like GPT-2, starts its biases at zero, and T x 0 = 0. The error grows as the "
+            "biases learn, and with T, which is why the strategy's equivalence tests start from random biases."),
     solution='''
 def row_parallel_linear(x_shard, w_shard, bias):
     y = torch.nn.functional.linear(x_shard, w_shard)   # my partial sum, without the bias
@@ -390,6 +401,18 @@ register(Exercise(
            "output gradient look like, then: partial, or already whole?",
            "f's forward handed the same x to every rank, and each rank used it for its own units: x's gradient is "
            "the sum of the ranks' contributions. So f's backward all-reduces, g's does nothing."),
+    lesson=("The two operators, forward and backward:\n"
+            + "".join(f"  {op:<38}{forward:<38}{backward}\n" for op, forward, backward in (
+                ("", "forward", "backward"),
+                ("f, where the parallel region starts", "identity: every rank takes all of X", "all-reduce"),
+                ("g, where it ends", "all-reduce: adds the partial sums", "identity")))
+            + "They are conjugate: each one's backward is the other's forward. In the forward pass f hands the same X "
+            "to every rank, and each rank uses it for its own hidden units; the gradient with respect to X is the sum "
+            "of what every rank's units contribute, so it is added across the ranks. After g every rank holds the "
+            "same whole output, so the gradient arriving at g is already the same whole gradient everywhere, and "
+            "each rank passes it on to its partial sum. A second all-reduce there would add T equal copies: the "
+            "weights' gradients would come out T times too large, with the loss, computed in the forward pass, "
+            "exactly right."),
     solution='''
 def conjugate_backward(op, grad):
     if op == "f":                       # f gave x to every rank, and each used it for its own units:

@@ -34,6 +34,10 @@ PHASES = ("forward", "backward", "finish", "clip")  # tp_comm's phases, in the o
 PHASE_LABELS = {"forward": "forward", "backward": "backward",
                 "finish": "finish (SP: LayerNorm and bias gradients)", "clip": "clip (gradient norm)"}
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "finish": "#CCB974", "clip": "#8172B2"}
+# The static figure fits JupyterLab's output area beside a 1280-px-wide window with the file browser open
+# (about 800 px at the stored figures' 100 dpi); the byte axis ends above the tallest bar.
+FIGSIZE = (7.4, 3.9)
+HEADROOM = 1.12
 RUN_KEYS = ("model", "seq_len", "vocab", "tp", "sequence_parallel", "micro_batch", "microbatches",
             "bytes_per_element")  # what a run's counts depend on: the widget must match them to compare
 
@@ -75,8 +79,8 @@ def _title(model: str, tp: int, sequence_parallel: bool = False) -> str:
 def _figure(pred: dict, machine: str, counted: dict | None, title: str):
     """Two panels: wire bytes per op, stacked by phase (the counted bytes beside them, hatched,
     when given), and the step's communication time against its compute time."""
-    fig = NotebookFigure(figsize=(8.4, 3.8), layout="constrained")
-    ax, times = fig.subplots(1, 2, width_ratios=[3, 2])
+    fig = NotebookFigure(figsize=FIGSIZE, layout="constrained")
+    ax, times = fig.subplots(1, 2, width_ratios=[4, 3])
     ops = sorted(set(pred["total"]) | set(counted or {}))
     width = 0.38 if counted else 0.6
     shift = -width / 2 if counted else 0
@@ -88,29 +92,36 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
                    label=PHASE_LABELS[phase])
             bottom = [b + h for b, h in zip(bottom, heights)]
     handles = list(ax.get_legend_handles_labels()[0])
+    tallest = max(bottom, default=0.0)
     if counted:
-        ax.bar([x + width / 2 for x in range(len(ops))], [counted.get(op, {}).get("wire_bytes", 0) for op in ops],
-               width, color="white", edgecolor="gray", hatch="//")
+        heights = [counted.get(op, {}).get("wire_bytes", 0) for op in ops]
+        ax.bar([x + width / 2 for x in range(len(ops))], heights, width, color="white", edgecolor="gray", hatch="//")
         handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="counted in the run"))
+        tallest = max([tallest, *heights])
+    if tallest > 0:
+        # Set, not left to autoscaling: each stacked layer's bar is "sticky" at its bottom, and a thin top layer
+        # (the clip's 8 bytes) pins the axis to the stack's top, so the tallest bar would touch the frame.
+        ax.set_ylim(0, tallest * HEADROOM)
     ax.set_xticks(range(len(ops)), ops)
     bytes_axis(ax.yaxis)
     ax.set_ylabel("wire bytes per rank and step")
-    if ops:
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=8)
+    if ops:  # two rows when the counted bars add a fifth entry: one row would be wider than the figure
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3 if len(handles) > 4 else 4),
+                   frameon=False, fontsize=8)
     else:
         ax.text(0.5, 0.5, "T = 1: nothing to send", transform=ax.transAxes, ha="center")
     ax.set_title(title, fontsize=10)
 
     seconds = [pred["comm_s"], pred["compute_s"]]
     times.barh([1, 0], seconds, color=["#C44E52" if pred["crosses"] else "#DD8452", "#4C72B0"])
-    times.set_yticks([1, 0], ["TP communication", f"compute ({TYPICAL_MFU:.0%} MFU)"])
+    times.set_yticks([1, 0], ["TP\ncommunication", f"compute\n({TYPICAL_MFU:.0%} MFU)"])  # two lines: room for the title
     for y, s in zip([1, 0], seconds):
         times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     times.set_xlim(0, max(seconds) * 1.3)
     times.set_xticks([])  # the bars carry their times
-    where = ("the ring crosses the network:\nbandwidth at a pessimistic bound" if pred["crosses"]
-             else "inside one node")
-    times.set_title(f"comm / compute = {pred['ratio']:.3g}\n{machine}, {pred['gbps']:g} GB/s\n{where}", fontsize=10,
+    # Short lines: the panel is narrow, and the longest machine name fills one of them.
+    where = "between nodes,\nat a pessimistic bound" if pred["crosses"] else "inside one node"
+    times.set_title(f"comm / compute = {pred['ratio']:.3g}\n{machine}\n{pred['gbps']:g} GB/s {where}", fontsize=10,
                     color="#b00" if pred["crosses"] else "black")
     return fig
 
@@ -290,19 +301,19 @@ class CommCounterWidget:
     def _table_html(self) -> str:
         pred, counted = self.prediction, self.counted if self.matches_run() else None
         head = ["phase", "op", "calls", "payload", "wire bytes"]
-        if counted is not None:
-            head += ["counted calls", "counted payload", "counted wire bytes"]
         rows = [[PHASE_LABELS[phase], op, c["calls"], format_bytes(c["payload_bytes"]), format_bytes(c["wire_bytes"])]
-                + ([""] * 3 if counted is not None else [])
                 for phase in PHASES for op, c in pred["phases"].get(phase, {}).items()]
+        none = {"calls": 0, "payload_bytes": 0, "wire_bytes": 0}
+        # What the run counted goes in a row under each step total, not in columns beside it: three more
+        # columns made the table wider than the output area (issue 28).
         for op in sorted(set(pred["total"]) | set(counted or {})):
-            c = pred["total"].get(op, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
-            row = ["<b>step total</b>", f"<b>{op}</b>", c["calls"], format_bytes(c["payload_bytes"]),
-                   format_bytes(c["wire_bytes"])]
+            c = pred["total"].get(op, none)
+            rows.append(["<b>step total</b>", f"<b>{op}</b>", c["calls"], format_bytes(c["payload_bytes"]),
+                         format_bytes(c["wire_bytes"])])
             if counted is not None:
-                k = counted.get(op, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
-                row += [k["calls"], format_bytes(k["payload_bytes"]), format_bytes(k["wire_bytes"])]
-            rows.append(row)
+                k = counted.get(op, none)
+                rows.append(["<i>counted in the run</i>", f"<i>{op}</i>", k["calls"], format_bytes(k["payload_bytes"]),
+                             format_bytes(k["wire_bytes"])])
         if not rows:
             return ""
         # nowrap: a narrow output area must scroll the table, not break "18.9 MB" over two lines
