@@ -277,3 +277,36 @@ def test_make_labs_kernels_know_the_exercise_magic_without_the_first_cell(tmp_pa
             shown = page.locator(".jp-OutputArea-output", has_text="wire_bytes: not solved yet")
             shown.first.wait_for(timeout=15_000)
     assert not tagged_processes(server.tag), "JupyterLab left processes behind"
+
+
+# Every element of an output whose right edge passes the output area's (what JupyterLab would cut or scroll).
+PAST_THE_OUTPUT_AREA = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output')).flatMap(o => {
+  const right = o.getBoundingClientRect().right;
+  return Array.from(o.querySelectorAll('*')).filter(e => e.getBoundingClientRect().right > right + 0.5)
+    .map(e => `${e.tagName.toLowerCase()}.${String(e.className)} ${Math.round(e.getBoundingClientRect().right - right)} px`);
+})"""
+
+
+def test_notebook_06s_widgets_fit_the_output_area_beside_the_file_browser(lab, request):
+    """Issue 28: a figure or table wider than the output area is cut or scrolls. At a 1024-pixel window with the file
+    browser open (an output area of about 590 px), the planner (its table with the CP column too) and the rank grid
+    of notebook 06 stay inside; their pictures are scaled down, never stretched (a VBox stretches its children)."""
+    write_notebook(lab.root / "fit06.ipynb",
+                   "from labsupport.widgets.planner import PlannerWidget\n"
+                   "from labsupport.widgets.rank_grid import RankGridWidget\n"
+                   "from labsupport.widgets.show import show",
+                   "g = RankGridWidget(devices_per_node=4, order=('dp', 'pp', 'tp'))\nshow(g, g.figure())",
+                   "p = PlannerWidget('175b', machine='frontier', gpus=1024, global_batch=8000, samples=40)\n"
+                   "show(p, p.figure())",
+                   "q = PlannerWidget('175b', machine='frontier', gpus=1024, global_batch=64, seq_len=131072)\n"
+                   "show(q, q.figure())")
+    with chromium_page(width=1024, height=3000) as page, artifacts_on_failure(page, request.node.name, lab):
+        run_notebook_in_browser(page, lab, "fit06.ipynb", timeout_s=240)
+        for name in ("rankgrid", "planner"):
+            page.locator(f".labsupport-{name}-figure").first.wait_for(state="visible", timeout=30_000)
+        page.wait_for_function("() => Array.from(document.querySelectorAll('.jp-OutputArea-output img'))"
+                               ".every(i => i.complete && i.naturalWidth > 0)", timeout=30_000)
+        assert page.evaluate(PAST_THE_OUTPUT_AREA) == []
+        sizes = page.evaluate("() => Array.from(document.querySelectorAll('img.widget-image'))"
+                              ".map(i => [i.naturalWidth, i.getBoundingClientRect().width])")
+        assert len(sizes) == 3 and all(shown <= natural + 0.5 for natural, shown in sizes), sizes

@@ -562,7 +562,25 @@ def test_the_rank_order_bug_lab_names_a_tp_group_across_nodes_until_fixed(capsys
     assert status == ex.BUGGY and "which (d, p, t) = (0, 0, 0) has already" in out, out
     megatron = "def place_rank(d, p, t, dp, pp, tp):\n    return (p * dp + d) * tp + t\n"   # tp, dp, pp: also right
     assert grade("place_rank", megatron, capsys)[0] == ex.SOLVED
-    assert grade("place_rank", solution("place_rank"), capsys)[0] == ex.SOLVED
+    status, out = grade("place_rank", solution("place_rank"), capsys)
+    assert status == ex.SOLVED and ex.get("place_rank").lesson in out, out   # the lesson, under the check's line
+
+
+def test_the_rank_order_labs_shipped_cell_numbers_in_shipped_order():
+    """The notebook's widget re-places the run's counters by SHIPPED_ORDER instead of spelling the order out under
+    the lab: it must be the order the shipped place_rank numbers the grid in."""
+    import json
+    from pathlib import Path
+
+    from labsupport.lab.nb06_3d_parallelism import SHIPPED_ORDER
+    from labsupport.widgets.rank_grid import layout
+    notebook = json.loads((Path(__file__).parents[1] / "notebooks" / "06_3d_parallelism.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in notebook["cells"] if "".join(c["source"]).startswith("%%exercise place_rank"))
+    namespace = {}
+    exec(cell.split("\n", 1)[1], namespace)
+    for dp, pp, tp in ((2, 2, 2), (3, 2, 4)):
+        coords = layout(dp, tp, pp, 4, SHIPPED_ORDER).coords
+        assert [namespace["place_rank"](*c, dp, pp, tp) for c in coords] == list(range(dp * pp * tp))
 
 
 # ---------------------------------------------------------------- notebook 07: context and experts

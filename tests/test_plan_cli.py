@@ -98,8 +98,9 @@ def test_mistakes_are_one_line(capsys, args, message):
 
 
 def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(capsys):
-    """TP 4 on Frontier: CUDA_DEVICE_MAX_CONNECTIONS=1 just before the command (Megatron-LM requires it
-    for TP > 1 on pre-Blackwell GPUs), the Part III deck's porting steps as comments; the same lines in the job script."""
+    """TP 4 on Frontier: CUDA_DEVICE_MAX_CONNECTIONS=1 just before the command (as every workshop script exports it;
+    the comment says this --deepspeed command does not need it), the Part III deck's porting steps as comments; the
+    same lines in the job script."""
     code, out, _ = plan(capsys, *WORKSHOP_175B, "--emit", "megatron")
     lines = out.strip().splitlines()
     assert code == 0 and lines[-2:] == ["export CUDA_DEVICE_MAX_CONNECTIONS=1", lines[-1]]

@@ -99,9 +99,11 @@ def test_workshop_175b_megatron_arguments_are_the_forks_flags():
     assert config["zero_optimization"]["stage"] == 1 and config["fp16"]["enabled"] and "bf16" not in config
 
 
-def test_megatron_environment_orders_tp_kernels_and_names_frontiers_porting_steps():
-    """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 (Megatron-LM requires it on pre-Blackwell GPUs) and on Frontier (the
-    workshop's scripts set it at every TP); on Frontier, the Part III deck's porting steps as comments."""
+def test_megatron_environment_exports_max_connections_and_says_the_command_does_not_need_it():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 and on Frontier (every workshop script exports it), with the one
+    account workshop.Script.max_connections gives a --deepspeed script: the fork turns its asynchronous TP all-reduce
+    off there, so the variable orders nothing and is not required; on Frontier, HIP's own variable and the Part III
+    deck's porting steps as comments."""
     cfg = PRESETS["175b"]
     tp4 = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full")
     tp1 = evaluate(cfg, FRONTIER, 128, 640, dp=8, tp=1, pp=16, micro_batch=1, zero=1, recompute="full")
@@ -111,6 +113,12 @@ def test_megatron_environment_orders_tp_kernels_and_names_frontiers_porting_step
                   megatron_environment(tp1, frontier=True)):
         assert lines[-1] == export and all(line.startswith("# ") for line in lines[:-1])
     assert "DS_BUILD" not in " ".join(megatron_environment(tp4))  # the porting steps are Frontier's
+    said = " ".join(line.removeprefix("# ") for line in megatron_environment(tp4, frontier=True))
+    flags = megatron_arguments(tp4, cfg, 640)
+    assert "--deepspeed" in flags and "--sequence-parallel" not in flags
+    assert "turns the asynchronous all-reduce off" in said and "orders nothing and is not required" in said, said
+    assert "overlap" not in said and "GPU_MAX_HW_QUEUES" in said
+    assert "GPU_MAX_HW_QUEUES" not in " ".join(megatron_environment(tp4))   # HIP's variable is named on Frontier
     porting = " ".join(megatron_environment(tp1, frontier=True))
     assert set(re.findall(r"DS_BUILD_(\w+)=1", porting)) == {"CPU_ADAM", "FUSED_ADAM", "FUSED_LAMB", "TRANSFORMER",
                                                              "AIO", "UTILS"}  # the deck's list
@@ -189,6 +197,9 @@ def test_explanation_of_the_workshop_175b_best():
     assert lines[0].startswith(describe(best))
     assert any("stays inside a node" in line for line in lines)
     assert any("bubble is (p - 1)/m" in line for line in lines)
+    # Narayanan et al. 2021 (arXiv:2104.04473): takeaway #1 closes Sec. 3.2; "we thus need m >> p" is Sec. 2.2.1.
+    assert any("(Narayanan et al. 2021, Sec. 3.2, takeaway #1)" in line for line in lines)
+    assert any("(Narayanan et al. 2021, Sec. 2.2.1: keep m >> p)" in line for line in lines)
 
 
 def test_search_is_reproducible_and_its_best_only_improves():

@@ -164,6 +164,13 @@ def test_menus():
     assert [v for _, v in w.controls["machine"].options] == list(MACHINE_NAMES)
     with pytest.raises(ValueError, match="unknown machine"):
         pw.plan_for("175b", "summit")
+    # A Dropdown whose value is None selects no entry and shows an empty box: "the model's own" is a value of its own.
+    seq = w.controls["seq_len"]
+    assert seq.value is not None and seq.label == "the model's own" and w.options()["seq_len"] is None
+    seq.value = 8192
+    assert w.planned.cfg.seq_len == 8192
+    seq.label = "the model's own"
+    assert w.planned.cfg.seq_len == PRESETS["175b"].seq_len
 
 
 def test_at_a_long_context_the_table_and_figure_gain_the_cp_axis():
@@ -176,6 +183,6 @@ def test_at_a_long_context_the_table_and_figure_gain_the_cp_axis():
     configs = plan(cfg, MACHINE_NAMES["frontier"], 1024, 64)
     assert w.planned.configs == configs and w.header == pw.HEADER[:4] + ["cp"] + pw.HEADER[4:]
     assert [row[4] for row in w.rows] == [str(c.cp) for c in configs[:5]] and all(c.cp > 1 for c in configs[:5])
-    assert "<th style='padding:1px 8px'>cp</th>" in w.table.value and "global batch 64 x 131072 tokens" in w.text
+    assert "<th style='padding:1px 3px'>cp</th>" in w.table.value and "global batch 64 x 131072 tokens" in w.text
     assert "CP ring sends" in [t.get_text() for t in w.figure().legends[0].get_texts()]
     assert figure_defects(w.figure()) == [] and cut_off_controls(w.controls) == []

@@ -6,8 +6,8 @@ import pytest
 
 from labsupport.estimate.planner import MACHINE_NAMES, evaluate
 from labsupport.estimate.scaling import WORKSHOP
-from labsupport.estimate.workshop import (DEEPHYPER_HANDS_ON, HANDS_ON, PART_II_22B, PLANNER_PRECISION, STRONG_SCALING, TABLE_V,
-                                          TABLE_VI)
+from labsupport.estimate.workshop import (DEEPHYPER_HANDS_ON, HANDS_ON, MEASURED_PEAK_FRACTION, PART_II_22B, PART_II_SRUN,
+                                          PLANNER_PRECISION, SCRIPTS as ALL_SCRIPTS, STRONG_SCALING, TABLE_V, TABLE_VI)
 from labsupport.model import get_preset
 
 FRONTIER = MACHINE_NAMES["frontier"]
@@ -87,3 +87,36 @@ def test_the_deephyper_hands_on_searches_a_small_model_on_four_nodes_per_sample(
     assert dh["gpus_per_sample"] == 4 * 8 and dh["nodes"] % 4 == 0
     assert (dh["layers"], dh["hidden"]) != (get_preset("22b").n_layers, get_preset("22b").hidden)
     assert all(dh["layers"] % pp == 0 for pp in dh["pp"]) and all(dh["heads"] % tp == 0 for tp in dh["tp"])
+
+
+def test_the_part_ii_srun_scripts_are_read_flag_for_flag():
+    """launch_gpt175b_srun.frontier: -N 24, TP 8 x PP 12, 96 x 12288, 96 heads, micro-batch 1, global 12, --fp16;
+    launch_gpt1T_srun.frontier: -N 64, TP 8 x PP 64, 128 x 25600, 128 heads, micro-batch 1, global 8, --fp16.
+    Neither passes --deepspeed, a DeepSpeed config or --checkpoint-activations."""
+    got = {m: (s.nodes, s.tp, s.pp, get_preset(s.model).n_layers, get_preset(s.model).hidden, s.heads, s.micro_batch,
+               s.global_batch, s.precision, s.deepspeed, s.ds_config, s.recompute) for m, s in PART_II_SRUN.items()}
+    assert got == {"175b": (24, 8, 12, 96, 12288, 96, 1, 12, "fp16", False, None, "none"),
+                   "1t": (64, 8, 64, 128, 25600, 128, 1, 8, "fp16", False, None, "none")}
+    assert {m: (s.dp, s.microbatches) for m, s in PART_II_SRUN.items()} == {"175b": (2, 6), "1t": (1, 8)}
+    assert all("--deepspeed" not in s.megatron_flags() for s in PART_II_SRUN.values())
+
+
+def test_one_account_of_cuda_device_max_connections_per_script():
+    """The fork turns the asynchronous TP all-reduce off under --deepspeed: the FA2 scripts and Part II's 22B pass it,
+    so there the variable orders nothing; the Part II srun scripts for 175B and 1T do not, and there the fork's
+    validate_args refuses to start without it. Every script exports it."""
+    by_path = {s.path: (s.deepspeed, s.async_tp_allreduce, s.requires_max_connections) for s in ALL_SCRIPTS}
+    assert by_path == {"launch_gpt22b_bf16.slurm": (True, False, False), "launch_gpt175b_bf16.slurm": (True, False, False),
+                       "launch_gpt1T_bf16.slurm": (True, False, False), "launch_gpt22b_srun.frontier": (True, False, False),
+                       "launch_gpt175b_srun.frontier": (False, True, True), "launch_gpt1T_srun.frontier": (False, True, True)}
+    assert all(s.exports_max_connections for s in ALL_SCRIPTS)
+    for s in ALL_SCRIPTS:
+        said = s.max_connections()
+        assert ("orders nothing" in said) == s.deepspeed and ("refuses to start" in said) == s.requires_max_connections
+
+
+def test_the_measured_throughputs_are_the_papers():
+    """Dash et al. 2023, abstract: "38.38%, 36.14%, and 31.96%" for 22B, 175B and 1T; of a GCD's 191.5 TFLOP/s,
+    about 73.5, 69.2 and 61.2 TFLOP/s."""
+    assert MEASURED_PEAK_FRACTION == {"22b": 0.3838, "175b": 0.3614, "1t": 0.3196}
+    assert [round(f * FRONTIER.peak_tflops_bf16, 1) for f in MEASURED_PEAK_FRACTION.values()] == [73.5, 69.2, 61.2]

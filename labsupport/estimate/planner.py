@@ -19,7 +19,7 @@ counterparts in other TP groups"), a pipeline tp x cp x pp ranks, a DP group all
 group whose ranks fit in one node talks over the node's links, else over the network
 (`group_link`). So TP beyond a node pays the network for its four all-reduces per layer and
 micro-batch, and the planner reproduces Narayanan's guidance
-(Sec. 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
+(Sec. 3.2 and 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
 only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) many more
 micro-batches than stages. Only the 1F1B schedule is planned; nothing overlaps communication
 with compute; stages are taken as equal (the embedding and LM head are not placed).
@@ -52,7 +52,7 @@ from .tp_comm import layer_comm
 MACHINE_NAMES = {"frontier": FRONTIER, "dgx-a100": DGX_A100, "dgx-h100": DGX_H100}
 
 # The fraction of its peak a GPU's matmuls reach: an assumption. Narayanan et al. 2021, Table 1,
-# report 44-52% of the A100's peak end to end, bubble and communication included, so the matmuls
+# report 43-52% of the A100's peak end to end, bubble and communication included, so the matmuls
 # alone run faster; 0.6 puts this model within 10% of the achieved TFLOP/s of Table 1's four
 # largest rows (a test checks).
 EFFICIENCY = 0.6
@@ -416,7 +416,7 @@ def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precisio
                      f"{machine.intra_gbps:g} GB/s links.")
     elif c.tp > 1:
         lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its 4 all-reduces per layer and micro-batch use "
-                     f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.3, takeaway #1).")
+                     f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.2, takeaway #1).")
     if c.cp > 1:
         where = "inside a node" if node % (c.tp * c.cp) == 0 else "across nodes"
         lines.append(f"CP {c.cp} cuts each sequence of {cfg.seq_len} tokens into {2 * c.cp} chunks, two per rank (the "
@@ -538,23 +538,34 @@ FRONTIER_PORTING = [
 def megatron_environment(c: Config, frontier: bool = False) -> list[str]:
     """The launch script's lines before Megatron-DeepSpeed runs layout `c`: comments and exports.
 
-    CUDA_DEVICE_MAX_CONNECTIONS=1 leaves the GPU one hardware queue per process, so kernels start
-    in the order they are issued and the TP collectives Megatron issues ahead of a matmul overlap
-    with it (the docstring of `linear_with_grad_accumulation_and_async_allreduce` in
-    `megatron/core/tensor_parallel/layers.py`). Current Megatron-LM's `validate_args` requires it for
-    TP > 1 on GPUs older than Blackwell (it checks the device's architecture version; with FSDP it
-    warns instead, and some communication-overlap options change the check); the fork's (an older
-    Megatron) raises only for sequence parallelism and the asynchronous TP all-reduce, which it
-    turns off under `--deepspeed`. The workshop's Frontier scripts export it
-    at every TP (the FA2 branch's `launch_gpt22b_bf16.slurm` runs TP 1), and the deck lists it
-    among the porting steps, so on Frontier it comes with FRONTIER_PORTING.
+    CUDA_DEVICE_MAX_CONNECTIONS=1 leaves the GPU one hardware queue per process, so kernels start in
+    the order they are issued. The fork relies on that only for its asynchronous TP all-reduce (a
+    column-parallel layer's backward starts the all-reduce of its input's gradient before the weight
+    gradient's GEMM) and for sequence parallelism, and refuses to start without it in those cases
+    (workshop.MAX_CONNECTIONS_CHECK). `megatron_arguments` passes --deepspeed and no
+    --sequence-parallel, and under --deepspeed the fork turns the asynchronous all-reduce off: for
+    this command the variable orders nothing and is not required. It is exported anyway where TP > 1
+    and on Frontier, as every workshop script exports it (workshop.SCRIPTS) and the deck lists it
+    among the porting steps, so that the script still starts with --sequence-parallel or without
+    --deepspeed (the Part II srun scripts for 175B and 1T, which need it). On Frontier the comment
+    also names HIP's own setting for hardware queues (workshop.ROCM_HW_QUEUES), which no workshop
+    script sets.
     """
+    from .workshop import MAX_CONNECTIONS_CHECK, ROCM_HW_QUEUES
+
     lines = FRONTIER_PORTING[:] if frontier else []
     if c.tp > 1 or frontier:
-        lines += ["# One hardware queue per GPU: kernels start in the order they are issued, so the TP",
-                  "# collectives overlap the matmuls issued after them. Megatron-LM requires it for TP > 1",
-                  "# on these GPUs (current versions check for GPUs older than Blackwell).",
-                  "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+        lines += ["# CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue, so kernels start in the order they are",
+                  "# issued. The fork relies on that order only for its asynchronous TP all-reduce and for",
+                  "# sequence parallelism, and refuses to start without the variable in those cases",
+                  f"# ({MAX_CONNECTIONS_CHECK}). This command passes --deepspeed, under which the fork",
+                  "# turns the asynchronous all-reduce off, and no --sequence-parallel: here the variable",
+                  "# orders nothing and is not required. It stays, as in every workshop script, so that the",
+                  "# script still starts with --sequence-parallel or without --deepspeed."]
+        if frontier:
+            lines += [f"# On ROCm, HIP's own setting for its hardware queues per device is {ROCM_HW_QUEUES},",
+                      "# which none of the workshop's scripts sets."]
+        lines += ["export CUDA_DEVICE_MAX_CONNECTIONS=1"]
     return lines
 
 

@@ -11,7 +11,11 @@ it comes from, in the source's own words where it has some:
             "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs;
             its branch frontier-sd (531936f) for the DeepHyper hands-on, `launch_dh.frontier`.
   PART_II   olcf/ai-training-series at e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL:
-            the Part II deck's 3D hands-on, `sbatch launch_gpt22b_srun.frontier`.
+            the Part II deck's 3D hands-on, `sbatch launch_gpt22b_srun.frontier`, and beside it
+            `launch_gpt175b_srun.frontier` and `launch_gpt1T_srun.frontier` (the same files as on the
+            fork's frontier-sd branch, 531936f), which no deck names.
+  DASH_2023 the paper itself (arXiv:2312.12705), for the throughput it measured, which the deck's Fig. 11
+            plots without readable numbers.
 
 Where two sources disagree (Table VI's batch is per replica, the scripts' `--global-batch-size` is
 global; a script named `_bf16` that passes `--fp16`), both are kept and the disagreement is said.
@@ -22,15 +26,17 @@ from dataclasses import dataclass
 
 GCDS_PER_NODE = 8        # every script: `srun ... --ntasks-per-node=8 --gpus-per-node=8`
 
-# Every run here is `pretrain_gpt_deepspeed.py ... --deepspeed` with a ZeRO stage in its config:
-# DeepSpeed's optimizer, not Megatron's, holds the fp32 master weights and Adam's moments, so
-# ZeRO's 16 bytes per parameter apply (2 + 2 + K = 12), not Megatron's own fp16 recipe's 20.
+# Every run the planner is compared with (HANDS_ON, PART_II_22B, Table VI's) is `pretrain_gpt_deepspeed.py ...
+# --deepspeed` with a ZeRO stage in its config: DeepSpeed's optimizer, not Megatron's, holds the fp32 master
+# weights and Adam's moments, so ZeRO's 16 bytes per parameter apply (2 + 2 + K = 12), not Megatron's own fp16
+# recipe's 20. (PART_II_SRUN's two scripts pass no --deepspeed: Megatron's own optimizer, not compared here.)
 PLANNER_PRECISION = "mixed"
 
 PART_III = "Part III deck (Dash et al. 2023, arXiv:2312.12705)"
 FORK = "sajal-vt/Megatron-DeepSpeed-ORNL@FA2 (03325d4)"
 FORK_SD = "sajal-vt/Megatron-DeepSpeed-ORNL@frontier-sd (531936f)"
 PART_II = "olcf/ai-training-series@e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL"
+DASH_2023 = "Dash et al. 2023, arXiv:2312.12705"
 
 
 def _recompute(checkpoint_activations: bool) -> str:
@@ -129,16 +135,18 @@ class Script:
     seq_len: int                # --seq-length
     micro_batch: int            # --micro-batch-size
     global_batch: int           # --global-batch-size
-    zero: int                   # the DeepSpeed config's "zero_optimization" stage
+    zero: int                   # the DeepSpeed config's "zero_optimization" stage (0 without DeepSpeed)
     precision: str              # Megatron's flag: --fp16 or --bf16
-    ds_config: str              # --deepspeed_config
-    ds_precision: str           # what that config enables
+    ds_config: str | None       # --deepspeed_config (None: the script passes no --deepspeed)
+    ds_precision: str | None    # what that config enables
     flash_attention: str | None  # --use-flash-attn-v2
     checkpoint_activations: bool
     notes: str = ""
     clip_grad: float = 1.0      # --clip-grad: Megatron's default, which both 22B scripts pass explicitly
     deepspeed: bool = True      # --deepspeed: the fork then runs DeepSpeed's engine and turns Megatron's async TP
     #                             all-reduce off, so CUDA_DEVICE_MAX_CONNECTIONS=1 orders nothing there
+    entry: str = "pretrain_gpt_deepspeed.py"   # the script srun starts
+    exports_max_connections: bool = True       # `export CUDA_DEVICE_MAX_CONNECTIONS=1`: every script here has it
 
     def megatron_flags(self) -> list[str]:
         """The script's Megatron flags that `labsupport plan --check-config` reads against its ds_config."""
@@ -163,6 +171,33 @@ class Script:
     @property
     def recompute(self) -> str:
         return _recompute(self.checkpoint_activations)
+
+    @property
+    def async_tp_allreduce(self) -> bool:
+        """Whether Megatron's asynchronous TP all-reduce runs (MAX_CONNECTIONS_CHECK): the fork turns it off
+        under --deepspeed, and a TP layer uses it only in a TP group of more than one rank."""
+        return not self.deepspeed and self.tp > 1
+
+    @property
+    def requires_max_connections(self) -> bool:
+        """Whether the fork refuses to start unless CUDA_DEVICE_MAX_CONNECTIONS is 1: without --deepspeed the
+        asynchronous all-reduce's flag keeps its default, on, and `validate_args` checks the flag, whatever the TP
+        size. None of the scripts passes --sequence-parallel, the check's other case."""
+        return not self.deepspeed
+
+    def max_connections(self) -> str:
+        """One account of what `export CUDA_DEVICE_MAX_CONNECTIONS=1` does for this script (MAX_CONNECTIONS_CHECK)."""
+        exported = "exports it" if self.exports_max_connections else "does not export it"
+        if self.deepspeed:
+            return (f"--deepspeed: the fork turns the asynchronous TP all-reduce off, so the variable orders nothing "
+                    f"and the fork does not require it; the script {exported}")
+        if self.async_tp_allreduce:
+            return (f"no --deepspeed, TP {self.tp}: the backward of each column-parallel layer (QKV, the MLP's first) "
+                    f"starts the all-reduce of its input's gradient and computes its weight's gradient meanwhile, "
+                    f"counting on one hardware queue to start the all-reduce first (for speed, not correctness); the "
+                    f"fork refuses to start unless the variable is 1, and the script {exported}")
+        return (f"no --deepspeed, TP 1: no TP all-reduce to order, yet the fork refuses to start unless the variable "
+                f"is 1; the script {exported}")
 
     def layout(self) -> dict:
         """The planner's keywords for this run (`planner.evaluate`'s, with dp). ZeRO on one
@@ -214,6 +249,49 @@ PART_II_22B_DS_CONFIG = {
                                              "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "zero_optimization": {"stage": 1},
 }
+
+# PART_II's two other Megatron scripts beside the 22B one (the same files on FORK_SD), read flag for flag. Neither
+# passes --deepspeed (nor a DeepSpeed config, --checkpoint-activations or --use-flash-attn-v2): Megatron's own
+# training loop and optimizer, with the asynchronous TP all-reduce on. Both ramp the batch up with
+# `--rampup-batch-size 2 2 1000` (from 2 sequences, 2 more at a time, over 1000 samples) to the global batch.
+PART_II_SRUN = {
+    "175b": Script("launch_gpt175b_srun.frontier", PART_II, "(no deck names it)", "175b", nodes=24, tp=8, pp=12,
+                   heads=96, seq_len=2048, micro_batch=1, global_batch=12, zero=0, precision="fp16", ds_config=None,
+                   ds_precision=None, flash_attention=None, checkpoint_activations=False, deepspeed=False,
+                   entry="pretrain_gpt_owt3.py",
+                   notes="runs `python pretrain_gpt_owt3.py`, a file neither repository holds (PART_II at e6452a3, "
+                         "FORK_SD at 531936f); its log names say 24N"),
+    "1t": Script("launch_gpt1T_srun.frontier", PART_II, "(no deck names it)", "1t", nodes=64, tp=8, pp=64, heads=128,
+                 seq_len=2048, micro_batch=1, global_batch=8, zero=0, precision="fp16", ds_config=None,
+                 ds_precision=None, flash_attention=None, checkpoint_activations=False, deepspeed=False,
+                 entry="pretrain_gpt.py", notes="one pipeline of the whole 512 GCDs (TP 8 x PP 64), 8 micro-batches"),
+}
+
+# Every Megatron launch script of the workshop above, for what each does with CUDA_DEVICE_MAX_CONNECTIONS.
+SCRIPTS = (*HANDS_ON.values(), PART_II_22B, *PART_II_SRUN.values())
+
+# Where the fork reads CUDA_DEVICE_MAX_CONNECTIONS: `validate_args` in megatron/arguments.py, the same lines at FORK
+# (03325d4, there inside `if not args.use_dataset_only:`), FORK_SD (531936f) and PART_II (e6452a3):
+#     if args.sequence_parallel: args.async_tensor_model_parallel_allreduce = False
+#     # TODO: currently DeepSpeed seems to be incompatible with async_tensor_model_parallel_allreduce ...
+#     if args.deepspeed: args.async_tensor_model_parallel_allreduce = False
+#     if os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') != "1":
+#         raise RuntimeError if args.sequence_parallel, or if args.async_tensor_model_parallel_allreduce
+# The flag is on unless `--no-async-tensor-model-parallel-allreduce` is given; ColumnParallelLinear uses it only with
+# more than one TP rank (megatron/core/tensor_parallel/layers.py, "Here we rely on CUDA_DEVICE_MAX_CONNECTIONS=1 to
+# ensure that the all-reduce is scheduled before the weight gradient computation").
+MAX_CONNECTIONS_CHECK = "megatron/arguments.py, validate_args"
+# On ROCm the HIP runtime takes the number of hardware queues per device from its own variable, GPU_MAX_HW_QUEUES
+# (ROCm's HIP runtime, clr); none of the scripts above sets it. Whether HIP reads CUDA_DEVICE_MAX_CONNECTIONS too is
+# not checked here.
+ROCM_HW_QUEUES = "GPU_MAX_HW_QUEUES"
+
+# DASH_2023, the abstract: "For 22 Billion, 175 Billion, and 1 Trillion parameters, we achieved GPU throughputs of
+# 38.38%, 36.14%, and 31.96%, respectively" (Fig. 11, "MI250X Throughput for various model sizes. We report the
+# hardware FLOPS, which are in close agreement with the model FLOPS"): fractions of a GCD's 16-bit peak, 191.5
+# TFLOP/s, so 73.5, 69.2 and 61.2 TFLOP/s per GCD. Hardware FLOPs count the recomputation, as the planner's
+# `tflops_per_gpu` does. The abstract does not say on which layout and GPU count each was measured.
+MEASURED_PEAK_FRACTION = {"22b": 0.3838, "175b": 0.3614, "1t": 0.3196}
 
 # "For 22B, 175B, and 1T parameter model, the estimated energy consumption is 284 Gigajoules, 17.65
 # Terajoules, and 662 Terajoules", from "iteration time, consumed tokens per iterations, average active

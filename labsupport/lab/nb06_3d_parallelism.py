@@ -273,14 +273,34 @@ def grade_place_rank(fn, source) -> str:
                             f"({d}, {p}) is ranks {', '.join(map(str, ranks))}, on nodes "
                             f"{', '.join(map(str, nodes))}: its all-reduces, four per layer and micro-batch, "
                             "cross the network")
-    return ("on every grid each TP group is tp neighbouring ranks on one node. Mesh numbers (tp, pp, dp), "
-            "fastest first; Megatron-LM's default is (tp, dp, pp): both keep TP on the node's links")
+    return (f"on each of the {len(PLACE_CASES)} grids every TP group sits on one node: its all-reduces stay on the "
+            "node's links")
 
+
+# The order the shipped `place_rank`, (t * pp + p) * dp + d, numbers the grid in, fastest coordinate first: what
+# the notebook's widget re-places the run's counters by (tests/test_lab.py holds it to the notebook's cell).
+SHIPPED_ORDER = ("dp", "pp", "tp")
 
 register(Exercise(
     name="place_rank", notebook="06", bug_lab=True,
-    title="Find the bug: a rank order with data parallelism fastest",
+    title="Find the bug: a rank placement that sends tensor parallelism over the network",
     grade=grade_place_rank,
+    cause=("varies fastest", "varying fastest", "vary fastest", "TP fastest", "DP fastest", "data parallelism fastest",
+           "tensor parallelism fastest", "neighbouring ranks", "innermost", "(d * pp + p) * tp + t",
+           r"(d \cdot pp + p) \cdot tp + t"),
+    lesson=("Why it matters: torchrun and Slurm number a job's ranks node by node, so with G GPUs per node, node k "
+            "holds ranks k G to k G + G - 1, and which ranks share a node is decided by the placement formula alone. "
+            "The colleague's formula, (t * pp + p) * dp + d, makes d the coordinate that changes from one rank to the "
+            "next: neighbouring ranks are different data-parallel copies, and the tp members of a TP group sit dp x pp "
+            "ranks apart, on different nodes as soon as dp x pp reaches G. Mesh numbers the grid the other way round, "
+            "t varying fastest, then the pipeline stage, d slowest: rank = (d * pp + p) * tp + t. A TP group is then tp "
+            "neighbouring ranks, on one node whenever tp divides G, and its four all-reduces per layer and micro-batch "
+            "stay on NVLink or Infinity Fabric; a pipeline's stages are tp ranks apart and its sends cross nodes once "
+            "its pp x tp ranks outgrow a node; the DP groups, farthest apart, talk once per step. Megatron-LM's "
+            "default order, tp then dp then pp, is right too: TP still varies fastest, the DP sync comes closer and "
+            "the pipeline's sends go farther. Nothing fails with the wrong order, the losses are the same; every step "
+            "is only slower, which is why a rank-grid picture and per-group traffic counters are worth a look before "
+            "a large run."),
     hints=("A job's ranks fill its nodes in order: node k holds ranks k G to k G + G - 1. Which coordinate should "
            "change between rank r and rank r + 1?",
            "The coordinate that varies fastest is the one multiplied by nothing: here it is d. Make it t, so the "

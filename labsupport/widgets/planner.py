@@ -38,7 +38,7 @@ from .memory import preset_label
 GPUS, GLOBAL_BATCH = STRONG_SCALING["175b"].gpus, STRONG_SCALING["175b"].global_batch
 MODELS = [name for name in PRESETS if name not in CPU_PRESETS]  # the analysis shapes: CPU presets have no vocab
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072)  # whole nodes of 8, up to the workshop's 1T
-ANY = "any"  # the menu entry that leaves ZeRO or recomputation to the planner
+ANY = "any"  # the menu entry that leaves ZeRO or recomputation to the planner (or the sequence length to the model)
 MAX_SAMPLES = 200
 PARTS = {"compute_s": "compute", "tp_comm_s": "TP all-reduces", "pp_comm_s": "PP sends",
          "dp_comm_s": "DP gradient sync", "bubble_s": "pipeline bubble"}  # Config's step-time terms
@@ -262,8 +262,9 @@ class PlannerWidget:
         c = self.controls = {
             "model": W.Dropdown(options=[(preset_label(n), n) for n in MODELS], value=model, description="model",
                                 style=style, layout=W.Layout(width="580px")),
-            "seq_len": W.Dropdown(options=[("the model's own", None)] + [(f"{n:,} tokens", n) for n in SEQ_LENS],
-                                  value=seq_len, description="sequence length", style=style,
+            # "the model's own" is ANY, not None: a Dropdown whose value is None shows no entry at all.
+            "seq_len": W.Dropdown(options=[("the model's own", ANY)] + [(f"{n:,} tokens", n) for n in SEQ_LENS],
+                                  value=ANY if seq_len is None else seq_len, description="sequence length", style=style,
                                   layout=W.Layout(width="330px")),
             "machine": W.Dropdown(options=[(m.name, name) for name, m in MACHINE_NAMES.items()], value=machine,
                                   description="machine", style=style, layout=W.Layout(width="460px")),
@@ -281,7 +282,9 @@ class PlannerWidget:
             control.add_class(f"labsupport-planner-{name.replace('_', '-')}")
         self.readout = W.HTML().add_class("labsupport-planner-readout")
         self.table = W.HTML().add_class("labsupport-planner-table")
-        self.image = W.Image(format="png", layout=W.Layout(max_width="100%")).add_class("labsupport-planner-figure")
+        # align_self: a VBox would otherwise stretch a narrower picture to its width (blurred, not sharper).
+        picture = W.Layout(max_width="100%", align_self="flex-start", margin="0")
+        self.image = W.Image(format="png", layout=picture).add_class("labsupport-planner-figure")
         self.widget = W.VBox([W.VBox(list(c.values())), self.readout, self.table, self.image])
         self.widget.add_class("labsupport-planner")
         for control in c.values():
@@ -310,10 +313,11 @@ class PlannerWidget:
     def _table_html(self) -> str:
         if not self.rows:
             return ""
-        cell = "<td style='padding:1px 8px; text-align:{}'>{}</td>"
+        # Narrow padding: the table must fit JupyterLab's output area beside an open file browser (about 590 px).
+        cell = "<td style='padding:1px 3px; text-align:{}'>{}</td>"
         body = "".join("<tr>" + "".join(cell.format("left" if h == "recompute" else "right", html.escape(v))
                                         for h, v in zip(self.header, row)) + "</tr>" for row in self.rows)
-        columns = "".join(f"<th style='padding:1px 8px'>{h}</th>" for h in self.header)
+        columns = "".join(f"<th style='padding:1px 3px'>{h}</th>" for h in self.header)
         return f"<table><tr>{columns}</tr>{body}</table>"
 
     def figure(self):

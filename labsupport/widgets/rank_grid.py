@@ -364,7 +364,9 @@ class RankGridWidget:
         for name, control in c.items():  # so that a browser test, or a stylesheet, can find each one
             control.add_class(f"labsupport-rankgrid-{name.replace('_', '-')}")
         self.readout = W.HTML().add_class("labsupport-rankgrid-readout")
-        self.image = W.Image(format="png", layout=W.Layout(max_width="100%")).add_class("labsupport-rankgrid-figure")
+        # align_self: a VBox would otherwise stretch the picture to its width (blurred, not sharper).
+        picture = W.Layout(max_width="100%", align_self="flex-start", margin="0")
+        self.image = W.Image(format="png", layout=picture).add_class("labsupport-rankgrid-figure")
         self.widget = W.VBox([W.VBox(list(c.values())), self.readout, self.image])
         self.widget.add_class("labsupport-rankgrid")
         self.layout: Layout | None = None
