@@ -306,8 +306,8 @@ class RankPool:
         if self._stopped is None:
             raise PoolError(_NO_POOL)
         stopped = self._stopped
-        print(f"The {self.nproc} interactive ranks {stopped['why']}, to free their memory.\n"
-              f"Starting them again; what earlier %%ranks cells left on them is gone.", flush=True)
+        _say(f"The {self.nproc} interactive ranks {stopped['why']}, to free their memory. Starting them "
+             f"again: what earlier %%ranks cells left on them is gone.")
         self._start(**stopped["settings"])
         self._stopped = None
         self._tell_about_others()
@@ -335,7 +335,7 @@ class RankPool:
     def _tell_about_others(self) -> None:
         others = other_pools()
         if others:
-            print(others_line(others), flush=True)
+            _say(others_line(others))
 
     def stop_others(self) -> list[dict]:
         """Stop the ranks that the user's other notebooks hold (`other_pools`), to free their memory.
@@ -754,18 +754,24 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
+def _say(text: str) -> None:
+    """Print a message for the notebook in lines that JupyterLab's output area shows whole (lab.exercise.wrap)."""
+    from .lab.exercise import wrap
+    print(wrap(text), flush=True)
+
+
 def others_line(others: list[dict]) -> str:
-    """What start() prints when other notebooks hold ranks: who, how much memory, and the call that frees it."""
+    """What start() prints when other notebooks hold ranks: a line for each (its memory, how long it has been
+    idle), and the call that stops them."""
     def idle(entry):
         minutes = int((time.time() - entry["last_used"]) // 60)
         return "used in the last minute" if minutes < 1 else f"idle for {minutes} min"
-    held = "; ".join(f"{_label(e)}: {e['nproc']} ranks, {_gb(e['memory'])}, {idle(e)}" for e in others)
-    if len(others) == 1:
-        return (f"Another notebook still holds interactive ranks ({held}).\n`%ranks stop --others` stops "
-                f"them and frees their memory; that notebook starts them again when it needs them.")
-    return (f"{len(others)} other notebooks still hold interactive ranks ({held}).\n`%ranks stop --others` "
-            f"stops them and frees {_gb(sum(e['memory'] for e in others))}; each notebook starts its own again "
-            f"when it needs them.")
+    lines = [f"{_label(e)} still holds {e['nproc']} interactive ranks ({_gb(e['memory'])}, {idle(e)})."
+             for e in others]
+    lines.append("`%ranks stop --others` stops them; that notebook starts them again when it needs them."
+                 if len(others) == 1 else f"`%ranks stop --others` stops them all "
+                 f"({_gb(sum(e['memory'] for e in others))}); each notebook restarts its own when needed.")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- inside the controller and engines
@@ -892,17 +898,18 @@ def ranks_magic(line: str, cell: str | None = None, user_ns: dict | None = None)
         raise PoolError("%ranks: --others goes with stop: `%ranks stop --others`")
     if opts.action == "stop" and opts.others:
         stopped = ranks.stop_others()
-        print("\n".join(f"stopped the {e['nproc']} ranks of {_label(e)} ({_gb(e['memory'])}); it starts them "
-                        f"again when it needs them" for e in stopped) or "no other notebook holds interactive ranks")
+        _say("\n".join(f"stopped the {e['nproc']} ranks of {_label(e)} ({_gb(e['memory'])}); it starts them "
+                       f"again when it needs them" for e in stopped) or "no other notebook holds interactive ranks")
     elif opts.action == "stop":
         was = ranks.nproc if ranks.running else 0
         ranks.stop()
         print(f"stopped {was} ranks" if was else "no ranks were running")
     elif opts.action == "status":
         why = ranks.stopped
-        print("\n".join(f"rank {r}: {state} (pid {ranks.pids[r]})" for r, state in ranks.status().items())
-              if ranks.running else f"the {ranks.nproc} ranks {why}; the next %%ranks cell or check starts them again"
-              if why else _NO_POOL)
+        if ranks.running:
+            print("\n".join(f"rank {r}: {state} (pid {ranks.pids[r]})" for r, state in ranks.status().items()))
+        else:
+            _say(f"the {ranks.nproc} ranks {why}; the next %%ranks cell or check starts them again" if why else _NO_POOL)
         ranks._tell_about_others()
     else:
         if opts.action == "start":

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..launch import LaunchError, launch
+from .exercise import wrap
 
 CHECK_TIMEOUT_S = 60
 # A fresh launch gets this long on top of the check's timeout for its ranks to import torch and
@@ -48,7 +49,7 @@ def run(source: str, module: str, call: str, nproc: int, timeout: float = CHECK_
             raise RanksFailed(str(e)) from None
     why = (f"the pool has {pool.ranks.nproc} ranks, this check needs {nproc}" if pool.ranks.running else
            f"no pool is running; `%ranks start --nproc {nproc}` makes checks fast")
-    print(f"(checking on {nproc} fresh ranks, a few seconds: {why})", flush=True)
+    print(wrap(f"(checking on {nproc} fresh ranks, a few seconds: {why})"), flush=True)
     with tempfile.TemporaryDirectory(prefix="labsupport-check-") as tmp:
         script = Path(tmp) / "check.py"
         script.write_text(_SCRIPT.format(setup=setup, call=call))
