@@ -24,8 +24,8 @@ fresh process group and says that their state was lost.
 No process outlives the pool: `stop()` ends them all, and so does the kernel's exit. If the
 kernel is killed, Linux kills the controller and the engines with it (see `_serve`).
 
-Memory. A pool of 2 ranks holds about as much memory as its kernel again (each rank imports
-torch), and every open notebook has its own. So a pool stops itself after IDLE_MINUTES without a
+Memory. A pool of 2 ranks holds about twice as much memory as its kernel (each rank imports
+torch; README, "Workshops"), and every open notebook has its own. So a pool stops itself after IDLE_MINUTES without a
 cell (LABSUPPORT_POOL_IDLE_MINUTES; 0 never), and the next `%%ranks` cell or exercise check
 starts it again, saying so: what earlier cells left on the ranks is gone then. And each pool is
 written down in a per-user registry (`registry_dir()`, one small JSON file per kernel: process
@@ -40,7 +40,6 @@ import argparse
 import ast
 import atexit
 import faulthandler
-import functools
 import json
 import logging
 import os
