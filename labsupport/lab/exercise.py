@@ -54,7 +54,7 @@ SOLVED, UNSOLVED, WRONG, BUGGY = "solved", "not solved yet", "wrong", "bug not f
 
 # JupyterLab shows text outputs (print, and an error's traceback) with `word-break: break-all`: a line
 # wider than the output area breaks at whatever character reaches the edge. With the file browser open
-# (JupyterLab 4.4, Chromium, default font) the area holds 66 characters in a window 960 pixels wide, 74
+# (JupyterLab 4.6, Chromium, default font) the area holds 66 characters in a window 960 pixels wide, 74
 # at 1024, 107 at 1280, 127 at 1440 (250 more pixels with the file browser closed: 32 characters).
 # Lines of 72 fit from about 1,010 pixels with the file browser open, and from 760 with it closed.
 WIDTH = 72
