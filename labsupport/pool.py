@@ -23,6 +23,16 @@ fresh process group and says that their state was lost.
 
 No process outlives the pool: `stop()` ends them all, and so does the kernel's exit. If the
 kernel is killed, Linux kills the controller and the engines with it (see `_serve`).
+
+Memory. A pool of 2 ranks holds about twice as much memory as its kernel (each rank imports
+torch; README, "Workshops"), and every open notebook has its own. So a pool stops itself after IDLE_MINUTES without a
+cell (LABSUPPORT_POOL_IDLE_MINUTES; 0 never), and the next `%%ranks` cell or exercise check
+starts it again, saying so: what earlier cells left on the ranks is gone then. And each pool is
+written down in a per-user registry (`registry_dir()`, one small JSON file per kernel: process
+ids, port, kernel, notebook); a notebook that starts a pool while another notebook of the same
+Jupyter server holds one says which, how much memory it holds, and that `%ranks stop --others`
+stops it (`RankPool.stop_others`); that notebook starts its ranks again when it needs them, and
+says why. Pools never serve two notebooks: each notebook's ranks keep their own state.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ import argparse
 import ast
 import atexit
 import faulthandler
+import json
 import logging
 import os
 import re
@@ -37,6 +48,7 @@ import runpy
 import shlex
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,6 +62,14 @@ START_TIMEOUT_S = 120  # for the engines to register and the process group to fo
 LEAVE_TIMEOUT_S = 10   # for the ranks to leave the process group on stop()
 PEER_GRACE_S = 5       # after a rank raised, how long the others may still run (see _gather)
 POLL_S = 0.01          # how often output is copied and the ranks are checked while a cell runs
+IDLE_MINUTES = 20.0    # a pool with no cell for this long stops itself (LABSUPPORT_POOL_IDLE_MINUTES; 0: never)
+IDLE_ENV = "LABSUPPORT_POOL_IDLE_MINUTES"
+REGISTRY_ENV = "LABSUPPORT_POOL_REGISTRY"  # the registry's folder, if not the Jupyter runtime dir's
+TOUCH_S = 5            # how often, at most, a pool writes its last use into its registry file
+# Ending a pool's processes: SIGTERM, then SIGKILL after this long. An engine's own SIGTERM handler
+# takes seconds and there is nothing to save (stop() left the process group before), but a
+# kernel's shutdown waits for it: JupyterLab kills a kernel that takes over 5 s.
+END_GRACE_S = 0.3
 
 # What the controller and the engines run: `python -c _SERVE MODULE ARGS...` (see _serve).
 _SERVE = "import labsupport.pool; labsupport.pool._serve()"
@@ -69,7 +89,15 @@ class RankPool:
         self._pids: dict[int, int] = {}     # rank -> engine process id
         self._cells = 0
         self._exit_hook = False
+        self._lock = threading.RLock()      # one thing at a time on the ranks: a cell, a start, or the idle stop
+        self._idle: threading.Event | None = None  # set when these processes end: their idle watcher quits
+        self._last_used = 0.0               # time.monotonic() when the last cell ended
+        self._entry: dict | None = None     # this pool's registry entry, while it runs
+        self._stopped: dict | None = None   # stopped by itself or from another notebook: {"settings", "why"}
         self.nproc = 0
+        self.port = 0
+        self.idle_minutes = IDLE_MINUTES
+        self.timeout, self.seed, self.device, self.device_backend = DEFAULT_NOTEBOOK_TIMEOUT, 0, "auto", ""
         self.run_dir: Path | None = None
 
     @property
@@ -79,15 +107,29 @@ class RankPool:
     # ------------------------------------------------------------ life cycle
 
     def start(self, nproc: int = 2, timeout: float = DEFAULT_NOTEBOOK_TIMEOUT, seed: int = 0,
-              device: str = "auto") -> RankPool:
-        """Start `nproc` ranks; `timeout` is every cell's default limit and the process group's."""
+              device: str = "auto", idle_minutes: float | None = None) -> RankPool:
+        """Start `nproc` ranks; `timeout` is every cell's default limit and the process group's.
+
+        After `idle_minutes` without a cell the ranks stop themselves (None: LABSUPPORT_POOL_IDLE_MINUTES,
+        else IDLE_MINUTES; 0: never); the next cell starts them again. If other notebooks hold ranks,
+        one line says so (see `stop_others`).
+        """
+        with self._lock:
+            self._stopped = None
+            self._start(nproc, timeout, seed, device, idle_minutes)
+        self._tell_about_others()
+        return self
+
+    def _start(self, nproc: int, timeout: float, seed: int, device: str, idle_minutes: float | None) -> None:
         if self.running:
             raise PoolError(f"a pool of {self.nproc} ranks is already running; stop it first with "
                             "`%ranks stop`, or get fresh ranks with `%ranks restart`")
         nproc = check_nproc(nproc, device)
         if not timeout or timeout <= 0:
             raise PoolError(f"timeout must be > 0 seconds, got {timeout}")
+        idle_minutes = _idle_minutes(idle_minutes)
         self.nproc, self.timeout, self.seed, self.device = nproc, timeout, seed, device
+        self.idle_minutes = idle_minutes
         self.run_dir = make_run_dir(name="pool")
         began = time.monotonic()
         try:
@@ -104,7 +146,12 @@ class RankPool:
         if not self._exit_hook:  # before ipyparallel's own hook (atexit runs last-registered first)
             atexit.register(self._end_processes)
             self._exit_hook = True
-        return self
+        self._last_used = time.monotonic()
+        self._register()
+        if self.idle_minutes:
+            self._idle = threading.Event()
+            threading.Thread(target=self._stop_when_idle, args=(self._idle,), daemon=True,
+                             name="labsupport-pool-idle").start()
 
     def _launch(self) -> None:
         """The ipyparallel controller and one engine per rank, all on 127.0.0.1, files in the run dir."""
@@ -142,7 +189,7 @@ class RankPool:
         ids = sorted(self._client.ids)
         pids = self._client[ids].apply_async(os.getpid).get(START_TIMEOUT_S)
         self._engines, self._pids = dict(enumerate(ids)), dict(enumerate(pids))
-        port = free_port()
+        port = self.port = free_port()
         done = self._gather({r: (_become_rank, r, self.nproc, port, self.seed, self.timeout)
                              for r in range(self.nproc)}, START_TIMEOUT_S)
         errors = {r: res["error"] for r, res in done.items() if "error" in res}
@@ -153,24 +200,44 @@ class RankPool:
 
     def stop(self) -> None:
         """Leave the process group cleanly (as `with init()` does at its end), then end every process."""
-        if not self.running:
-            return
-        try:
-            self._gather({r: (_leave_rank,) for r in self._alive_ranks()}, LEAVE_TIMEOUT_S)
-        except _Lost:
-            pass  # a broken group cannot be left cleanly; the processes end all the same
-        finally:
-            self._end_processes()
+        with self._lock:
+            self._stopped = None  # stopped on purpose: a later cell says there is no pool
+            if not self.running:
+                return
+            try:
+                self._gather({r: (_leave_rank,) for r in self._alive_ranks()}, LEAVE_TIMEOUT_S)
+            except _Lost:
+                pass  # a broken group cannot be left cleanly; the processes end all the same
+            finally:
+                self._end_processes()
 
     def restart(self) -> RankPool:
         """Fresh ranks and a fresh process group, with the same settings; all rank state is lost."""
-        self._check_running()
-        settings = self._settings()
-        self.stop()
-        return self.start(**settings)
+        with self._lock:
+            self._notice_stop_from_elsewhere()
+            if not self.running and self._stopped is None:
+                raise PoolError(_NO_POOL)
+            settings = self._settings()
+            self.stop()
+            self._start(**settings)
+        return self
 
     def _settings(self) -> dict:
-        return dict(nproc=self.nproc, timeout=self.timeout, seed=self.seed, device=self.device)
+        return dict(nproc=self.nproc, timeout=self.timeout, seed=self.seed, device=self.device,
+                    idle_minutes=self.idle_minutes)
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the ranks are not running although nobody stopped them here ("stopped themselves after 20 min
+        without a cell", "were stopped from 03_zero_fsdp.ipynb"): the next cell starts them again. Else None."""
+        with self._lock:
+            self._notice_stop_from_elsewhere()
+            return self._stopped["why"] if self._stopped else None
+
+    def serves(self, nproc: int) -> bool:
+        """Whether a cell for `nproc` ranks runs on this pool: it runs with `nproc` ranks, or it stopped by
+        itself (or from another notebook) with that many and starts again at the next cell."""
+        return self.nproc == nproc and (self.stopped is not None or self.running)
 
     def status(self) -> dict[int, str]:
         """{rank: "idle" or "dead"}. Cells run one at a time, so a live rank is idle between them."""
@@ -189,15 +256,100 @@ class RankPool:
         cluster, client = self._cluster, self._client
         self._cluster = self._client = None
         self._engines, self._pids = {}, {}
+        if self._idle is not None:
+            self._idle.set()
+            self._idle = None
+        self._unregister()
         if client is not None:
             client.close(linger=0)
         if cluster is None:
             return
-        pids = [launcher.pid for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
-        if cluster.controller is not None:
-            pids.append(cluster.controller.pid)
-        kill_pids([p for pid in pids if pid > 0 for p in (pid, *descendants(pid))], grace_s=2.0)
+        pids = _processes(cluster)
+        kill_pids([p for pid in pids for p in (pid, *descendants(pid))], grace_s=END_GRACE_S)
         cluster.stop_cluster_sync()  # ipyparallel's bookkeeping (files, its exit hook); they are gone
+
+    # ------------------------------------------------------------ memory: the idle stop, other notebooks' pools
+
+    def _stop_when_idle(self, idle: threading.Event) -> None:
+        """The watcher thread of one start: end the processes once no cell has run for idle_minutes.
+
+        It says nothing (in a kernel its output would land in whatever cell runs); the next cell
+        says it (_ensure_running). A cell that runs holds the lock, so the watcher waits for its end.
+        """
+        limit = self.idle_minutes * 60
+        while not idle.wait(max(self._last_used + limit - time.monotonic(), 0.05)):
+            with self._lock:
+                if idle.is_set():  # stopped meanwhile
+                    return
+                if time.monotonic() - self._last_used >= limit:
+                    why = f"stopped themselves after {self.idle_minutes:g} min without a cell"
+                    self._stopped = {"settings": self._settings(), "why": why}
+                    self._end_processes()
+                    return
+
+    def _notice_stop_from_elsewhere(self) -> None:
+        """If another notebook stopped these ranks (`stop_others` leaves a note beside our registry file),
+        forget them."""
+        if not self.running:
+            return
+        by = _read_stop_note()
+        if by is not None:
+            self._stopped = {"settings": self._settings(), "why": f"were stopped from {by}"}
+            self._end_processes()  # whatever is left of them, and ipyparallel's bookkeeping
+
+    def _ensure_running(self) -> None:
+        """Before a cell: the ranks run, or, stopped by themselves or from another notebook, start again, saying so."""
+        self._notice_stop_from_elsewhere()
+        if self.running:
+            return
+        if self._stopped is None:
+            raise PoolError(_NO_POOL)
+        stopped = self._stopped
+        _say(f"The {self.nproc} interactive ranks {stopped['why']}, to free their memory. Starting them "
+             f"again: what earlier %%ranks cells left on them is gone.")
+        self._start(**stopped["settings"])
+        self._stopped = None
+        self._tell_about_others()
+
+    def _used(self) -> None:
+        """After a cell: the idle clock starts again, and the registry says when the pool was last used."""
+        self._last_used = time.monotonic()
+        if self._entry is not None and time.time() - self._entry["last_used"] > TOUCH_S:
+            self._entry["last_used"] = time.time()
+            _write_entry(self._entry)
+
+    def _register(self) -> None:
+        self._entry = {"owner": os.getpid(), "owner_start": _start_ticks(os.getpid()), "parent": os.getppid(),
+                       "notebook": os.environ.get("JPY_SESSION_NAME") or None, "kernel": _kernel_id(),
+                       "nproc": self.nproc, "port": self.port, "run_dir": str(self.run_dir),
+                       "pids": {str(pid): _start_ticks(pid) for pid in _processes(self._cluster)},
+                       "idle_minutes": self.idle_minutes, "started": time.time(), "last_used": time.time()}
+        _write_entry(self._entry)
+
+    def _unregister(self) -> None:
+        if self._entry is not None:
+            self._entry = None
+            _remove_entry(os.getpid())
+
+    def _tell_about_others(self) -> None:
+        others = other_pools()
+        if others:
+            _say(others_line(others))
+
+    def stop_others(self) -> list[dict]:
+        """Stop the ranks that the user's other notebooks hold (`other_pools`), to free their memory.
+
+        Their kernels go on; each notebook starts its ranks again at its next `%%ranks` cell or
+        check, and says why. Returns what was stopped (registry entries, with "memory" in bytes).
+        """
+        me = _label({"notebook": os.environ.get("JPY_SESSION_NAME"), "kernel": _kernel_id(), "owner": os.getpid()})
+        stopped = []
+        for entry in other_pools():
+            _leave_stop_note(entry["owner"], me)  # first: a cell running there now hears who stopped it
+            pids = _live_pids(entry)
+            kill_pids([p for pid in pids for p in (pid, *descendants(pid))], grace_s=END_GRACE_S)
+            stopped.append(entry)
+        return stopped
 
     # ------------------------------------------------------------ running code on the ranks
 
@@ -207,33 +359,43 @@ class RankPool:
         The ranks' output is printed as it arrives, each line prefixed `[rank k] `. Variables stay
         on the ranks for later cells. `timeout` defaults to the pool's.
         """
-        self._check_running()
         targets = self._pick(ranks)
         ast.parse(code)  # a syntax error is the notebook's, before any rank sees it
-        self._cells += 1
-        cell = self.run_dir / f"cell{self._cells}.py"  # tracebacks and stack dumps quote its lines
-        cell.write_text(code)
-        return self._values(self._on_ranks({r: (_run_cell, code, str(cell)) for r in targets}, timeout))
+        with self._lock:
+            self._ensure_running()
+            try:
+                self._cells += 1
+                cell = self.run_dir / f"cell{self._cells}.py"  # tracebacks and stack dumps quote its lines
+                cell.write_text(code)
+                return self._values(self._on_ranks({r: (_run_cell, code, str(cell)) for r in targets}, timeout))
+            finally:
+                self._used()
 
     def pull(self, name: str, ranks=None, timeout: float | None = None) -> dict:
         """{rank: the value of `name` on that rank}."""
-        self._check_running()
-        return self._values(self._on_ranks({r: (_get, name) for r in self._pick(ranks)}, timeout))
+        targets = self._pick(ranks)
+        with self._lock:
+            self._ensure_running()
+            try:
+                return self._values(self._on_ranks({r: (_get, name) for r in targets}, timeout))
+            finally:
+                self._used()
 
     def push(self, values: dict | None = None, ranks=None, timeout: float | None = None, **more) -> None:
         """Set variables on the ranks: `push(lr=0.1)` or `push({"lr": 0.1}, ranks=[0])`."""
-        self._check_running()
-        values = {**(values or {}), **more}
-        self._values(self._on_ranks({r: (_set, values) for r in self._pick(ranks)}, timeout))
+        values, targets = {**(values or {}), **more}, self._pick(ranks)
+        with self._lock:
+            self._ensure_running()
+            try:
+                self._values(self._on_ranks({r: (_set, values) for r in targets}, timeout))
+            finally:
+                self._used()
 
     def report(self, rank: int = 0) -> dict:
         """What rank `rank` passed to `report()` since the pool started, later keys overriding earlier ones."""
-        self._check_running()
-        return RunResult(self.run_dir, self.nproc, 0, 0.0).report(self._pick(rank)[0])
-
-    def _check_running(self) -> None:
-        if not self.running:
+        if not self.running and self._stopped is None:
             raise PoolError(_NO_POOL)
+        return RunResult(self.run_dir, self.nproc, 0, 0.0).report(self._pick(rank)[0])
 
     def _pick(self, ranks) -> list[int]:
         """Ranks as a sorted list, from None/"all", an int, a list, or a string like "0,2"."""
@@ -270,11 +432,14 @@ class RankPool:
                 raise _Lost(RankFailed, f"{_ranks_word(dead)} died since the last cell", [])
             return self._gather(jobs, self.timeout if timeout is None else timeout)
         except _Lost as lost:
+            by = _read_stop_note()
+            if by is not None:  # another notebook stopped them while this cell ran
+                lost.reason = f"the ranks were stopped from {by}"
             print(f"{lost}; restarting all {self.nproc} ranks...", file=sys.stderr, flush=True)
             settings = self._settings()
             self._end_processes()  # no clean exit: a rank stuck in a collective would never leave
             try:
-                self.start(**settings)
+                self._start(**settings)
             except BaseException as e:
                 raise PoolError(f"{lost}; restarting the ranks failed ({e}); "
                                 "start again with `%ranks start --nproc N`") from None
@@ -422,6 +587,192 @@ def _failure_line(errors: dict[int, str]) -> str:
     return "; ".join(f"{_ranks_word(rs)} failed: {error}" for error, rs in by_error.items())
 
 
+def _idle_minutes(value: float | None) -> float:
+    """The idle limit in minutes: `value`, else LABSUPPORT_POOL_IDLE_MINUTES, else IDLE_MINUTES; 0 means never."""
+    where = "idle_minutes"
+    if value is None:
+        value, where = os.environ.get(IDLE_ENV, "").strip() or IDLE_MINUTES, IDLE_ENV
+    try:
+        minutes = float(value)
+    except (TypeError, ValueError):
+        minutes = -1.0
+    if not minutes >= 0:  # also NaN
+        raise PoolError(f"{where} must be a number of minutes >= 0 (0: never stop when idle), got {value!r}")
+    return minutes
+
+
+def _processes(cluster) -> list[int]:
+    """The controller's and the engines' process ids."""
+    pids = [launcher.pid for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
+    if cluster.controller is not None:
+        pids.append(cluster.controller.pid)
+    return [pid for pid in pids if pid and pid > 0]
+
+
+def _start_ticks(pid) -> int | None:
+    """When process `pid` started (clock ticks since boot): with the pid, it names one process, even after
+    the pid is reused. None if there is no such process."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kernel_id() -> str | None:
+    """This Jupyter kernel's id (a Jupyter server names its connection file kernel-ID.json; other clients
+    name it as they like: then its name); None outside a kernel."""
+    if "ipykernel" not in sys.modules:
+        return None
+    try:
+        from ipykernel.connect import get_connection_file
+        name = Path(get_connection_file()).stem
+    except Exception:  # not in a kernel after all
+        return None
+    return name.removeprefix("kernel-")
+
+
+# The registry: one file per kernel (process) that runs a pool, PID.json, written whole and renamed
+# into place, so no one ever reads half of it; PID.stopped is the note `stop_others` leaves.
+
+def registry_dir() -> Path:
+    """$LABSUPPORT_POOL_REGISTRY, else labsupport-pools/ in Jupyter's runtime dir (per user; on a
+    JupyterHub, in the user's home)."""
+    if os.environ.get(REGISTRY_ENV):
+        return Path(os.environ[REGISTRY_ENV])
+    from jupyter_core.paths import jupyter_runtime_dir
+    return Path(jupyter_runtime_dir()) / "labsupport-pools"
+
+
+def _write_entry(entry: dict) -> None:
+    """Best effort: a registry that cannot be written (a read-only home) costs the notice, never the pool."""
+    folder = registry_dir()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        part = folder / f".{entry['owner']}.json.part"
+        part.write_text(json.dumps(entry))
+        os.replace(part, folder / f"{entry['owner']}.json")
+    except OSError:
+        pass
+
+
+def _remove_entry(owner: int) -> None:
+    folder = registry_dir()
+    for name in (f"{owner}.json", f"{owner}.stopped"):
+        try:
+            (folder / name).unlink()
+        except OSError:
+            pass
+
+
+def _leave_stop_note(owner: int, by: str) -> None:
+    try:
+        (registry_dir() / f"{owner}.stopped").write_text(json.dumps({"by": by, "at": time.time()}))
+    except OSError:
+        pass
+
+
+def _read_stop_note() -> str | None:
+    """Who stopped this process's ranks (a note `stop_others` left), once; None if nobody did."""
+    note = registry_dir() / f"{os.getpid()}.stopped"
+    try:
+        by = json.loads(note.read_text())["by"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        by = "another notebook"
+    try:
+        note.unlink()
+    except OSError:
+        pass
+    return str(by)
+
+
+def _live_pids(entry: dict) -> list[int]:
+    """The entry's processes that still run (the same processes: same pid, same start)."""
+    return [int(pid) for pid, ticks in entry.get("pids", {}).items() if _start_ticks(pid) == ticks]
+
+
+def _memory(pids) -> int:
+    """What the processes hold, in bytes: their PSS (each shared page divided among the processes that map
+    it, so sums mean something), or their RSS where /proc has no smaps_rollup."""
+    total = 0
+    for pid in pids:
+        for path, field in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+            try:
+                with open(path) as f:
+                    line = next((line for line in f if line.startswith(field)), None)
+            except OSError:
+                continue
+            if line is not None:
+                total += int(line.split()[1]) * 1024
+                break
+    return total
+
+
+def other_pools() -> list[dict]:
+    """The pools that other notebooks of this user hold on the same Jupyter server: the registry's
+    entries whose owner is another Jupyter kernel with our parent (the server; in a test, the test),
+    still running, not already stopped. Each entry gains "memory" (bytes, see _memory). Files of
+    kernels that are gone are removed (their pools died with them, see _serve)."""
+    folder = registry_dir()
+    try:
+        files = sorted(folder.glob("*.json"))
+    except OSError:
+        return []
+    found = []
+    for path in files:
+        try:
+            entry = json.loads(path.read_text())
+            owner = int(entry["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner == os.getpid():
+            continue
+        if _start_ticks(owner) != entry.get("owner_start"):  # its kernel is gone
+            _remove_entry(owner)
+            continue
+        if not entry.get("kernel") or entry.get("parent") != os.getppid() or (folder / f"{owner}.stopped").exists():
+            continue
+        pids = _live_pids(entry)
+        if pids:
+            entry["memory"] = _memory([p for pid in pids for p in (pid, *descendants(pid))])
+            found.append(entry)
+    return found
+
+
+def _label(entry: dict) -> str:
+    if entry.get("notebook"):
+        return Path(entry["notebook"]).name
+    if entry.get("kernel"):
+        return f"the notebook of kernel {entry['kernel'][:8]}"
+    return f"process {entry['owner']}"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def _say(text: str) -> None:
+    """Print a message for the notebook in lines that JupyterLab's output area shows whole (lab.exercise.wrap)."""
+    from .lab.exercise import wrap
+    print(wrap(text), flush=True)
+
+
+def others_line(others: list[dict]) -> str:
+    """What start() prints when other notebooks hold ranks: a line for each (its memory, how long it has been
+    idle), and the call that stops them."""
+    def idle(entry):
+        minutes = int((time.time() - entry["last_used"]) // 60)
+        return "used in the last minute" if minutes < 1 else f"idle for {minutes} min"
+    lines = [f"{_label(e)} still holds {e['nproc']} interactive ranks ({_gb(e['memory'])}, {idle(e)})."
+             for e in others]
+    lines.append("`%ranks stop --others` stops them; that notebook starts them again when it needs them."
+                 if len(others) == 1 else f"`%ranks stop --others` stops them all "
+                 f"({_gb(sum(e['memory'] for e in others))}); each notebook restarts its own when needed.")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- inside the controller and engines
 
 def _serve() -> None:
@@ -523,6 +874,8 @@ def _line_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_NOTEBOOK_TIMEOUT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--idle-minutes", type=float, default=None)
+    p.add_argument("--others", action="store_true")
     return p
 
 
@@ -540,16 +893,27 @@ def ranks_magic(line: str, cell: str | None = None, user_ns: dict | None = None)
         values = ranks.run(cell, ranks=opts.ranks, timeout=opts.timeout)
         return values if any(v is not None for v in values.values()) else None  # else no Out[]
     opts = _line_parser().parse_args(shlex.split(line))
-    if opts.action == "stop":
+    if opts.others and opts.action != "stop":
+        raise PoolError("%ranks: --others goes with stop: `%ranks stop --others`")
+    if opts.action == "stop" and opts.others:
+        stopped = ranks.stop_others()
+        _say("\n".join(f"stopped the {e['nproc']} ranks of {_label(e)} ({_gb(e['memory'])}); it starts them "
+                       f"again when it needs them" for e in stopped) or "no other notebook holds interactive ranks")
+    elif opts.action == "stop":
         was = ranks.nproc if ranks.running else 0
         ranks.stop()
         print(f"stopped {was} ranks" if was else "no ranks were running")
     elif opts.action == "status":
-        print("\n".join(f"rank {r}: {state} (pid {ranks.pids[r]})" for r, state in ranks.status().items())
-              if ranks.running else _NO_POOL)
+        why = ranks.stopped
+        if ranks.running:
+            print("\n".join(f"rank {r}: {state} (pid {ranks.pids[r]})" for r, state in ranks.status().items()))
+        else:
+            _say(f"the {ranks.nproc} ranks {why}; the next %%ranks cell or check starts them again" if why else _NO_POOL)
+        ranks._tell_about_others()
     else:
         if opts.action == "start":
-            ranks.start(opts.nproc, timeout=opts.timeout, seed=opts.seed, device=opts.device)
+            ranks.start(opts.nproc, timeout=opts.timeout, seed=opts.seed, device=opts.device,
+                        idle_minutes=opts.idle_minutes)
         else:
             ranks.restart()
         if user_ns is not None:

@@ -13,12 +13,13 @@ from labsupport.lab.nb06_3d_parallelism import LAYOUT_CASES
 
 
 def grade(name, source, capsys):
-    """(status, printed line or the ExerciseFailed message: a bug lab changed and still buggy raises too)."""
+    """(status, printed line or the ExerciseFailed message: a bug lab changed and still buggy raises too).
+    The printed lines are unwrapped (ex.unwrap): the phrases checked may straddle a line break."""
     try:
         status = ex.run_cell(name, source, {})
     except ex.ExerciseFailed as e:
         return ex.BUGGY if ex.get(name).bug_lab else ex.WRONG, str(e)
-    return status, capsys.readouterr().out
+    return status, ex.unwrap(capsys.readouterr().out)
 
 
 def solution(name):
@@ -145,7 +146,7 @@ def test_unknown_exercise_is_named():
     ("a", "b", "the answer is 'b': not quite."), (1_500_000, 1_572_864, "measured 1,572,864: right.")])
 def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
     predict.reveal(guess, measured, why="reduce_scatter")
-    out = capsys.readouterr().out
+    out = ex.unwrap(capsys.readouterr().out)
     assert verdict in out and out.rstrip().endswith(" Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72."), out
 
 
@@ -168,7 +169,7 @@ def test_an_explanation_with_fields_takes_its_values_from_the_cell(capsys):
     values = dict(padded_params=817_920, n_tensors=52, optimizer_bytes=6_543_568)
     assert predict.fields(predict.explanations()["optimizer_mb"]) == set(values)
     predict.reveal(None, 6.543568, unit="MB", why="optimizer_mb", **values)
-    assert capsys.readouterr().out == (
+    assert ex.unwrap(capsys.readouterr().out) == (
         "No prediction entered. Measured: 6.544 MB. 8 bytes (Adam's two fp32 moments) x 817,920 parameters, the "
         "vocabulary padding rows included, + a 4-byte `step` per tensor (52 tensors): 6,543,568 bytes.\n")
 
@@ -196,6 +197,56 @@ def test_explanations_render_and_their_keys_are_unique(monkeypatch):
     monkeypatch.setitem(nb00_collectives.WHY, "naive_idle", "again")
     with pytest.raises(ValueError, match="'naive_idle' is defined twice"):
         predict.explanations()
+
+
+# ---------------------------------------------------------------- feedback that fits the browser's output area
+
+FEEDBACK = ("after step 0 of the ring reduce-scatter rank 0 holds chunk 2 = [55.0, 55.0], expected 45.0: each "
+            "micro-batch's gradient is summed with its neighbour's, not with the one it should be summed with, "
+            "so https://example.org/a-very-long-address-that-fits-on-no-line-of-eighty-eight-characters-at-all/ "
+            "stays whole.\n    an indented line of its own, also longer than the width of the output area, "
+            "so that it wraps too")
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"\033\[\d+m", "", text).split()
+
+
+def test_wrap_breaks_long_lines_between_words_only():
+    """JupyterLab breaks a text output's line wider than its output area at any character ("micro-bat" /
+    "ch"): feedback comes in lines of at most WIDTH characters, broken between words."""
+    wrapped = ex.wrap(FEEDBACK)
+    lines = wrapped.split("\n")
+    assert words(wrapped) == words(FEEDBACK)  # no word split, none lost, hyphens kept ("micro-batch")
+    assert all(len(line) <= ex.WIDTH or " " not in line.strip() for line in lines), lines
+    assert lines[0].startswith("after step 0") and all(line.startswith("  ") for line in lines[1:3])
+    url = next(w for w in words(FEEDBACK) if w.startswith("https:"))
+    assert len(url) > ex.WIDTH and f"  {url}" in lines  # longer than WIDTH: whole, on a line of its own
+    indented = lines.index(next(line for line in lines if line.startswith("    an indented")))
+    assert lines[indented + 1].startswith("      ")  # its own indentation kept, plus INDENT
+    first = FEEDBACK.splitlines()[0]
+    assert ex.unwrap(ex.wrap(first)) == first and ex.wrap("short line\n\nnext") == "short line\n\nnext"
+
+
+def test_a_wrong_answer_renders_in_red_lines_that_fit_and_keeps_its_message_whole():
+    err = ex.ExerciseFailed(f"ring_reduce_scatter_step: {FEEDBACK.splitlines()[0]}")
+    rendered = err._render_traceback_()
+    assert len(rendered) > 1 and all(r.startswith("\033[31m") and r.endswith("\033[0m") for r in rendered)
+    assert words(" ".join(rendered)) == ["✘", *words(str(err))] and "\n" not in str(err)
+    assert all(len(re.sub(r"\033\[\d+m", "", r)) <= ex.WIDTH or " " not in r.strip() for r in rendered[:2])
+
+
+def test_printed_feedback_hints_and_reveals_fit_the_output_area(capsys):
+    buggy = mutate("accumulate", "(loss / len(micro_batches)).backward()", "loss.backward()")
+    ex.run_cell("accumulate", buggy, {})
+    ex.get("accumulate").hints_shown = 0
+    for _ in ex.get("accumulate").hints:
+        ex.hint("accumulate")
+    predict.reveal(None, 9, why="naive_idle")
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) > 4 and max(map(len, out.splitlines())) <= ex.WIDTH, out
+    assert ex.unwrap(out).splitlines()[0].startswith("🐞 accumulate, the bug to find: ")
+    assert ex.unwrap(out).splitlines()[-1].endswith(predict.explain("naive_idle"))
 
 
 # ---------------------------------------------------------------- on real ranks

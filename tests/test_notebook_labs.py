@@ -133,7 +133,7 @@ def test_stored_reveal_outputs_print_the_lab_modules_explanation(path):
     calls, all_cells = reveal_calls(path), cells(path)
     for index, call in calls:
         lines = [line for o in all_cells[index].get("outputs", []) if o["output_type"] == "stream"
-                 for line in "".join(o["text"]).splitlines()
+                 for line in ex.unwrap("".join(o["text"])).splitlines()
                  if line.startswith(("No prediction entered.", "You predicted"))]
         n = [c for i, c in calls if i == index].index(call)  # the cell's n-th reveal prints its n-th line
         key = next(k.value.value for k in call.keywords if k.arg == "why")
@@ -214,7 +214,7 @@ def test_lessons_shown_under_labs_are_written_in_the_lab_module(path):
 def stored_answer(cell) -> str | None:
     """What the stored output of an unanswered prediction printed as its answer: "9", "1,572,864 bytes", "'1f1b'"."""
     for o in cell.get("outputs", []):
-        for line in "".join(o.get("text", "")).splitlines():
+        for line in ex.unwrap("".join(o.get("text", ""))).splitlines():
             m = re.match(r"No prediction entered\. \w[\w ]*: (.+?)\.(?: |$)", line)
             if m:
                 return m.group(1)

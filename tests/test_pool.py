@@ -3,8 +3,11 @@
 Most tests share one pool (`labsupport.pool.ranks`, the notebook's, so the magics see it too);
 a test that breaks it (a hang, a dead rank) checks that it comes back working. No test asserts
 how long something took; waits have bounds only so that a broken pool fails instead of hanging.
+The memory tests (an idle pool stops itself; a notebook hears of another notebook's pool and can
+stop it) use an idle limit of a few seconds and a registry folder of their own.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,9 +16,10 @@ import time
 
 import pytest
 
-from labsupport import load_ipython_extension
+from labsupport import load_ipython_extension, pool as pool_module
 from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, _alive
-from labsupport.pool import PoolError, RankPool, ranks
+from labsupport.lab.exercise import unwrap
+from labsupport.pool import IDLE_ENV, REGISTRY_ENV, PoolError, RankPool, ranks
 from conftest import REPO, listening_addresses, on_loopback, processes_of
 
 pytestmark = pytest.mark.multiprocess
@@ -174,6 +178,14 @@ def test_bad_requests_are_one_line_and_start_nothing(pool):
     with pytest.raises(LaunchError) as err:
         idle.start(2, timeout=0)
     one_line(err)
+    with pytest.raises(PoolError) as err:
+        idle.start(2, idle_minutes=-1)
+    assert one_line(err) == "idle_minutes must be a number of minutes >= 0 (0: never stop when idle), got -1"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(IDLE_ENV, "soon")
+        with pytest.raises(PoolError) as err:
+            idle.start(2)
+    assert one_line(err).startswith(f"{IDLE_ENV} must be a number of minutes >= 0")
     assert not idle.running and idle.run_dir is None
 
 
@@ -309,3 +321,102 @@ def test_a_killed_kernel_leaves_no_process(tmp_path):
     finally:
         for pid in filter(_alive, pids):
             os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- memory: the idle stop, other notebooks' pools
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting after {BOUND_S} s for {what}"
+        time.sleep(0.1)
+
+
+def test_an_idle_pool_stops_itself_and_a_check_starts_it_again_saying_so(tmp_path, monkeypatch, capsys):
+    from labsupport.lab import on_ranks
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry"))
+    idle = RankPool()
+    monkeypatch.setattr(pool_module, "ranks", idle)  # the checks' pool
+    try:
+        idle.start(2, timeout=BOUND_S, idle_minutes=0.02)  # 1.2 s
+        run_dir, pids = idle.run_dir, list(idle.pids.values())
+        assert [p.name for p in (tmp_path / "registry").iterdir()] == [f"{os.getpid()}.json"]
+        assert idle.run("import time\ntime.sleep(2)\nrt.rank") == {0: 0, 1: 1}  # a long cell is not cut
+        wait_for(lambda: not idle.running, "the idle stop")
+        assert gone(pids) and processes_of(run_dir) == [] and list((tmp_path / "registry").iterdir()) == []
+        assert idle.stopped == "stopped themselves after 0.02 min without a cell" and idle.serves(2)
+        capsys.readouterr()
+        values = on_ranks.run("", "os", "getpid()", nproc=2)  # a check: on the pool again, not on fresh ranks
+        out = unwrap(capsys.readouterr().out)
+        assert out.splitlines()[0] == ("The 2 interactive ranks stopped themselves after 0.02 min without a cell, "
+                                       "to free their memory. Starting them again: what earlier %%ranks cells left "
+                                       "on them is gone."), out
+        assert "fresh ranks" not in out and values == idle.pids and idle.running and idle.stopped is None
+    finally:
+        run_dir = idle.run_dir
+        idle.stop()
+    assert processes_of(run_dir) == [] and not idle.serves(2)
+    with pytest.raises(PoolError, match="^no ranks are running"):  # stopped on purpose: no restart
+        idle.run("1")
+
+
+def test_a_notebook_hears_of_another_notebooks_pool_stops_it_and_nothing_is_left(tmp_path):
+    """Two notebooks of one Jupyter server (two kernels of this process): the second pool's start names the
+    first, `%ranks stop --others` ends it, the first notebook's next cell starts its ranks again and says
+    why; an idle pool in a kernel stops itself; a killed kernel's pool and registry file go."""
+    from jupyter_client.manager import start_new_kernel
+    registry = tmp_path / "registry"
+    env = {**os.environ, "LABSUPPORT_RUNS": str(tmp_path / "runs"), REGISTRY_ENV: str(registry)}
+    kernels = {}
+    try:
+        for name, idle_minutes in (("a", "20"), ("b", "0.05")):
+            kernels[name] = start_new_kernel(kernel_name="python3", cwd=str(REPO), env={
+                **env, IDLE_ENV: idle_minutes, "JPY_SESSION_NAME": str(tmp_path / f"{name}.ipynb")})
+
+        def execute(name, code):
+            out = []
+            reply = kernels[name][1].execute_interactive(
+                code, timeout=BOUND_S, output_hook=lambda msg: out.append(msg["content"].get("text", "")))
+            assert reply["content"]["status"] == "ok", (code, reply["content"], out)
+            return unwrap("".join(out))
+
+        assert "2 ranks ready" in execute("a", "%load_ext labsupport\n%ranks start --nproc 2")
+        run_a = execute("a", "print(ranks.run_dir)").strip()
+        out = execute("b", "%load_ext labsupport\n%ranks start --nproc 2")
+        lines = out.splitlines()
+        assert re.fullmatch(r"a\.ipynb still holds 2 interactive ranks \(\d+\.\d GB, used in the last minute\)\.",
+                            lines[0]), out
+        assert lines[1] == "`%ranks stop --others` stops them; that notebook starts them again when it needs them."
+        assert "2 ranks ready" in lines[2]
+        run_b = execute("b", "print(ranks.run_dir)").strip()
+        assert re.fullmatch(r"stopped the 2 ranks of a\.ipynb \(\d+\.\d GB\); it starts them again when it "
+                            r"needs them\n", execute("b", "%ranks stop --others"))
+        assert gone(processes_of(run_a)) and execute("b", "%ranks stop --others") == \
+            "no other notebook holds interactive ranks\n"
+        out = execute("a", "%%ranks\nprint('rank', rt.rank)")
+        assert out.splitlines()[0] == ("The 2 interactive ranks were stopped from b.ipynb, to free their memory. "
+                                       "Starting them again: what earlier %%ranks cells left on them is gone.")
+        assert sorted(out.splitlines()[1:]) == ["[rank 0] rank 0", "[rank 1] rank 1"], out
+        run_a = execute("a", "print(ranks.run_dir)").strip()
+        wait_for(lambda: processes_of(run_b) == [], "b's idle stop (3 s)")  # in a kernel, from its watcher thread
+        out = execute("b", "%%ranks\nprint('rank', rt.rank)")
+        assert out.startswith("The 2 interactive ranks stopped themselves after 0.05 min without a cell") and \
+            "a.ipynb still holds 2 interactive ranks (" in out, out
+        run_b = execute("b", "print(ranks.run_dir)").strip()
+        pids_a = processes_of(run_a)
+        km, kc = kernels.pop("a")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)  # SIGKILL: its pool dies with it, its registry file stays behind
+        assert gone(pids_a)
+        out = execute("b", "%ranks status")
+        assert out.splitlines()[0].startswith("rank 0: idle") and "still holds" not in out, out
+        assert [p.name for p in registry.iterdir()] == [f"{kernels['b'][0].provisioner.process.pid}.json"]
+        pids_b = processes_of(run_b)
+    finally:
+        for km, kc in kernels.values():
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+    assert gone(pids_b)
+    with pytest.MonkeyPatch.context() as mp:  # a kernel killed before its exit hook ran leaves a file; the next
+        mp.setenv(REGISTRY_ENV, str(registry))  # notebook's start (or status) removes it
+        assert pool_module.other_pools() == [] and list(registry.iterdir()) == []

@@ -20,7 +20,9 @@ a wrong answer: the symptom as one red line, so the attendee sees their attempt 
 Later cells never depend on an exercise: they use labsupport's own code.
 
 Each line starts with a symbol and says in words what it means, for a browser without the
-symbol's font: ✔ solved, ○ not solved yet, 🐞 the bug to find, ✘ wrong.
+symbol's font: ✔ solved, ○ not solved yet, 🐞 the bug to find, ✘ wrong. Feedback is printed in
+lines of at most WIDTH characters, broken between words (`wrap`): JupyterLab breaks a text
+output's longer lines at any character ("micro-bat" / "ch").
 
 What a lab teaches once it is solved (why the bug did what it did, what the exercise shows) is its
 `lesson`, written here in the lab module, never in the notebook: markdown and code stay in the
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +50,33 @@ MODULES = ("nb00_collectives", "nb01_single_device", "nb02_data_parallel", "nb03
            "nb05_pipeline_parallel", "nb06_3d_parallelism", "nb07_context_and_experts")
 
 SOLVED, UNSOLVED, WRONG, BUGGY = "solved", "not solved yet", "wrong", "bug not fixed yet"
+
+
+# JupyterLab shows text outputs (print, and an error's traceback) with `word-break: break-all`: a line
+# wider than the output area breaks at whatever character reaches the edge. With the file browser open
+# (JupyterLab 4.6, Chromium, default font) the area holds 66 characters in a window 960 pixels wide, 74
+# at 1024, 107 at 1280, 127 at 1440 (250 more pixels with the file browser closed: 32 characters).
+# Lines of 72 fit from about 1,010 pixels with the file browser open, and from 760 with it closed.
+WIDTH = 72
+INDENT = "  "  # what starts a line that continues the one above it
+
+
+def wrap(text: str, width: int = WIDTH) -> str:
+    """`text` with each line longer than `width` broken between words, never inside one (a word longer
+    than `width` gets a line of its own); the lines that continue it start with INDENT more than its own
+    indentation. Line breaks already in the text stay."""
+    lines = []
+    for line in text.split("\n"):
+        indent = line[:len(line) - len(line.lstrip(" "))]
+        lines += textwrap.wrap(line, width, subsequent_indent=indent + INDENT, break_long_words=False,
+                               break_on_hyphens=False) or [line]
+    return "\n".join(lines)
+
+
+def unwrap(text: str) -> str:
+    """What `wrap` was given, for text without lines that start with INDENT of their own: each line that
+    starts with INDENT joins the line above it."""
+    return re.sub(rf"\n{INDENT}(?=\S)", " ", text)
 
 
 class Wrong(Exception):
@@ -68,7 +99,7 @@ class ExerciseFailed(AssertionError):
     """A wrong answer, shown in the notebook as one line instead of a traceback."""
 
     def _render_traceback_(self):
-        return [f"\033[31m✘ {self}\033[0m"]
+        return [f"\033[31m{line}\033[0m" for line in wrap(f"✘ {self}").split("\n")]
 
 
 @dataclass
@@ -153,7 +184,7 @@ def grade(ex: Exercise, answer, source: str) -> str:
         raise ExerciseFailed(f"{ex.name}: the reference solution does not pass: {line}")
     if status == WRONG or (status == BUGGY and changed):
         raise ExerciseFailed(line)
-    print(line)
+    print(wrap(line))
     return status
 
 
@@ -162,7 +193,7 @@ def hint(name: str) -> None:
     ex = get(name)
     ex.hints_shown = min(ex.hints_shown + 1, len(ex.hints))
     for i, text in enumerate(ex.hints[:ex.hints_shown], 1):
-        print(f"hint {i}/{len(ex.hints)}: {text}")
+        print(wrap(f"hint {i}/{len(ex.hints)}: {text}"))
 
 
 def solution(name: str, load: bool = True) -> None:
@@ -172,7 +203,7 @@ def solution(name: str, load: bool = True) -> None:
     cell = f"%%exercise {name}\n{ex.solution.strip()}\n"
     print(cell)
     if ex.lesson:
-        print(ex.lesson)
+        print(wrap(ex.lesson))
     ex.earned = True
     if load:
         try:
@@ -193,10 +224,10 @@ def lesson(name: str) -> None:
     if not ex.lesson:
         raise KeyError(f"exercise {name!r} has no lesson")
     if ex.earned or ex.status == SOLVED or os.environ.get(STORED, "") not in ("", "0") or solutions_mode():
-        print(ex.lesson)
+        print(wrap(ex.lesson))
     else:
-        print(f"🔒 (locked) What {name} teaches appears here once its check above passes, "
-              f"or after lab.solution({name!r}).")
+        print(wrap(f"🔒 (locked) What {name} teaches appears here once its check above passes, "
+                   f"or after lab.solution({name!r})."))
 
 
 def progress(notebook: str | None = None) -> None:

@@ -1,7 +1,8 @@
 """Run an attendee's cell and a rank-side check on real ranks, for distributed exercises.
 
 On the interactive ranks (labsupport.pool) when a pool of the right size is running, so feedback
-comes back in well under a second; otherwise through a fresh launch (a few seconds). Either way
+comes back in well under a second (a pool that stopped itself after idling starts again first, and
+says so); otherwise through a fresh launch (a few seconds). Either way
 each rank runs the cell's source, then `check(answer)`, and returns a small dict; a hang becomes
 feedback (the timeout names where the ranks waited) instead of a stuck notebook.
 """
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..launch import LaunchError, launch
+from .exercise import wrap
 
 CHECK_TIMEOUT_S = 60
 # A fresh launch gets this long on top of the check's timeout for its ranks to import torch and
@@ -39,7 +41,7 @@ def run(source: str, module: str, call: str, nproc: int, timeout: float = CHECK_
     """
     from .. import pool
     setup = f"{PRELUDE}{source}\nfrom {module} import {call.split('(')[0]}\n"
-    if pool.ranks.running and pool.ranks.nproc == nproc:
+    if pool.ranks.serves(nproc):
         try:
             pool.ranks.run(setup, timeout=timeout)
             return pool.ranks.run(call, timeout=timeout)
@@ -47,7 +49,7 @@ def run(source: str, module: str, call: str, nproc: int, timeout: float = CHECK_
             raise RanksFailed(str(e)) from None
     why = (f"the pool has {pool.ranks.nproc} ranks, this check needs {nproc}" if pool.ranks.running else
            f"no pool is running; `%ranks start --nproc {nproc}` makes checks fast")
-    print(f"(checking on {nproc} fresh ranks, a few seconds: {why})", flush=True)
+    print(wrap(f"(checking on {nproc} fresh ranks, a few seconds: {why})"), flush=True)
     with tempfile.TemporaryDirectory(prefix="labsupport-check-") as tmp:
         script = Path(tmp) / "check.py"
         script.write_text(_SCRIPT.format(setup=setup, call=call))

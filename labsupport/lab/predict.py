@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import string
 
-from .exercise import MODULES
+from .exercise import MODULES, wrap
 
 
 def explanations() -> dict[str, str]:
@@ -79,4 +79,4 @@ def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.
             f"off by a factor {max(ratio, 1 / ratio):.3g}.")
     else:
         line = f"You predicted {guess!r}; the answer is {shown}: " + ("right." if guess == measured else "not quite.")
-    print(line + (f" {because}" if because else ""))
+    print(wrap(line + (f" {because}" if because else "")))
