@@ -196,8 +196,9 @@ def test_memory_is_the_papers_six_blocks_and_the_layer_divided_by_cp():
     assert activation_bytes(s, b, h, a, cp=4) == one // 4 + attention_memory(s, b, h, a, cp=4)["in_flight"]
 
 
-def test_a_long_sequences_memory_is_states_kept_activations_working_set_and_logits():
-    """long_sequence_memory, notebook 07's table: each part from the formula it cites, each counted once."""
+def test_a_long_sequences_memory_is_a_peak_of_states_kept_activations_gather_and_working_set_or_logits():
+    """long_sequence_memory, notebook 07's tables: each part from the formula it cites, each counted once, and the
+    working set and the logits, never alive together, not added."""
     cfg, s, GB = get_preset("22b"), 131072, 1e9
     h, a, L, V = cfg.hidden, cfg.heads, cfg.n_layers, cfg.padded_vocab
     psi = count_params(cfg, padded=True)
@@ -205,27 +206,42 @@ def test_a_long_sequences_memory_is_states_kept_activations_working_set_and_logi
     assert tp8["states"] == sum(model_state_bytes(psi, "mixed", model_parallel=8).values()) == 16 * psi // 8
     assert round(tp8["states"] / GB) == 44  # 22B at 16 bytes a parameter over 8 GCDs
     assert tp8["activations"] == L * 34 * s * h // 8 and tp8["working"] == 0 and tp8["stage"] == "only"
-    assert tp8["logits"] == 4 * s * V // 8
-    assert tp8["total"] == tp8["states"] + tp8["activations"] + tp8["working"] + tp8["logits"]
+    assert tp8["gathered"] == 2 * s * h  # sequence parallelism all-gathers a linear's input: all s positions, 16-bit
+    assert tp8["logits"] == (2 + 4) * s * V // 8  # the 16-bit logits beside their fp32 copy, vocabulary over tp
+    assert tp8["total"] == tp8["states"] + tp8["activations"] + tp8["gathered"] + tp8["logits"]
     full = long_sequence_memory(cfg, s, tp=8, recompute="full")  # each layer's input, and one layer recomputed
     assert full["activations"] == L * 2 * s * h // 8 and full["working"] == 34 * s * h // 8
-    # CP: every activation and the logits over cp; the K/V blocks in flight once, as stage_activation_bytes counts them
+    assert full["total"] == full["states"] + full["activations"] + full["gathered"] + max(full["working"], full["logits"])
+    # without sequence parallelism (the workshop's flags) each layer's input is kept whole on every TP rank, no gather
+    plain = long_sequence_memory(cfg, s, tp=8, recompute="full", sequence_parallel=False)
+    assert plain["activations"] == 8 * full["activations"] and plain["gathered"] == 0
+    assert plain["working"] == (10 + 24 // 8) * s * h
+    assert long_sequence_memory(cfg, s, tp=1)["gathered"] == 0
+    # CP: every activation, the gather and the logits over cp; the K/V blocks in flight once, as stage_activation_bytes
     cp8 = long_sequence_memory(cfg, s, tp=8, cp=8)
     in_flight = attention_memory(s, 1, h // 8, a // 8, 8)["in_flight"]
     assert cp8["activations"] == L * 34 * (s // 8) * h // 8 and cp8["working"] == in_flight
     assert cp8["activations"] + cp8["working"] == stage_activation_bytes(L, s, 1, h, a, 8, 8, "selective",
                                                                          sequence_parallel=True)
-    assert cp8["logits"] == tp8["logits"] // 8 and cp8["states"] == tp8["states"]  # CP ranks hold the same weights
+    assert cp8["logits"] == tp8["logits"] // 8 and cp8["gathered"] == tp8["gathered"] // 8
+    assert cp8["states"] == tp8["states"]  # CP ranks hold the same weights
     # ZeRO-1 shards the optimizer states over dp x cp
     zero = long_sequence_memory(cfg, s, tp=8, cp=8, zero=1)
     assert zero["optimizer"] == -(-cp8["optimizer"] // 8) and zero["params"] == cp8["params"]
+    assert long_sequence_memory(cfg, s, tp=8, dp=8, zero=1)["states"] == zero["states"]
     # PP under 1F1B: one micro-batch in flight, each stage L / pp layers (the last one also the logits);
     # with m >= pp the first stage holds pp micro-batches of them, L layers' worth, as without PP
     one = long_sequence_memory(cfg, s, tp=8, pp=8, microbatches=1)
     assert one["stage"] == "last" and one["activations"] * 8 == tp8["activations"] and one["logits"] == tp8["logits"]
+    assert one["stages"]["first"] == one["states"] + one["activations"] + one["gathered"] + one["working"]
+    assert one["stages"]["last"] == one["total"] > one["stages"]["first"]
     deep = long_sequence_memory(cfg, s, tp=8, pp=8, microbatches=8)
     assert deep["stage"] == "first" and deep["activations"] == tp8["activations"] and deep["logits"] == 0
     assert deep["states"] * 8 == pytest.approx(tp8["states"], abs=16)
+    # at 1M with PP 8 and full recomputation, the last stage's peak is at the logits, not at the recomputed layer
+    million = long_sequence_memory(cfg, 8 * s, tp=8, pp=8, microbatches=1, recompute="full")
+    assert million["stage"] == "last" and million["logits"] > million["working"]
+    assert million["total"] == million["states"] + million["activations"] + million["gathered"] + million["logits"]
     with pytest.raises(ValueError, match="ring attention stores no scores"):
         long_sequence_memory(cfg, s, tp=8, cp=8, recompute="none")
 

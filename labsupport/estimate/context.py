@@ -11,8 +11,9 @@ r, r + cp, r + 2 cp, ...)
 
 Sizes are bytes per rank, for one layer and one micro-batch: b = micro_batch, c = seq_len / cp (the
 block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp), except
-`long_sequence_memory`: everything a device holds in a training step on long sequences, model
-states, activations, the working set of the layer in its backward and the logits.
+`long_sequence_memory`: what a device holds at the peak of a training step on long sequences, model
+states, activations, the sequence-parallel gather, and the larger of the working set of the layer in
+its backward and the logits.
 """
 from __future__ import annotations
 
@@ -93,14 +94,15 @@ def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden
 
 
 LOGIT_BYTES = 4  # the loss is computed on fp32 logits
+ACTIVATION_BYTES = 2  # the 16-bit activations Korthikanti et al. count, and the logits before their fp32 copy
 
 
 def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                          microbatches: int = 1, micro_batch: int = 1, recompute: str = "selective",
                          precision: str = "mixed", sequence_parallel: bool = True) -> dict:
-    """Bytes per device of a training step on sequences of `seq_len` positions, everything it holds
-    at once: {"params", "grads", "optimizer", "states" (their sum), "activations", "working",
-    "logits", "total", "stage"}.
+    """Bytes per device at the peak of a training step on sequences of `seq_len` positions:
+    {"params", "grads", "optimizer", "states" (their sum), "activations", "gathered", "working",
+    "logits", "total", "stage", "stages"}.
 
     Model states (Rajbhandari et al. 2020, "ZeRO", Sec 3.1 and 5.1; `memory.model_state_bytes`):
     the parameters of `cfg` as it is (its own learned positions: the count does not grow with
@@ -118,18 +120,29 @@ def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int
     flight: under 1F1B the first stage has min(m, pp) of them (Narayanan et al. 2021, Sec 2.2.1;
     with m >= pp, L layers' worth, as Korthikanti Sec 4.2.3 counts it), the last stage one.
 
-    Working set, alive while one layer runs its backward: with full recomputation that layer's
+    Gathered: under sequence parallelism a rank keeps its s / (cp tp) positions of each linear's
+    input and all-gathers the s / cp of them before the linear runs, forward and again backward
+    (Korthikanti Sec 4.2.2): 2 b (s / cp) h bytes alive whenever a layer or the output layer runs.
+    Megatron-LM gathers into one buffer it keeps and reuses (`get_global_memory_buffer()`, "mpu").
+    None without sequence parallelism (the inputs are then replicated and counted as kept) or tp 1.
+
+    Working set of the one layer whose backward runs: with full recomputation that layer's
     activations, rematerialised (what "selective" keeps of one layer); under CP the K/V blocks in
     flight (`attention_memory`), once and not once per layer, as `stage_activation_bytes` counts them.
 
-    Logits: the last stage's, in fp32, 4 b (s / cp) V / tp bytes (V the padded vocabulary).
-    Megatron-LM computes the loss on `logits.float()` unless `--fp16-lm-cross-entropy` is given and
-    keeps that copy for the backward; Korthikanti et al. 2022 count the same 4 s b v / t.
+    Logits, on the last stage, at the loss: the 16-bit logits 2 b (s / cp) V / tp (V the padded
+    vocabulary) beside their fp32 copy, 4 b (s / cp) V / tp. Megatron-LM computes the loss on
+    `logits.float()` unless `--fp16-lm-cross-entropy` is given, and keeps that copy for the backward
+    (Korthikanti et al. 2022 count the same 4 s b v / t); the 16-bit tensor lives until the loss
+    returns, and the loss's backward casts its fp32 gradient back to 16 bits, 6 bytes again.
 
-    `total` is the sum of the four for the fuller of the first and the last pipeline stage
-    (`stage`; "only" without PP). The logits are freed before the last layer is recomputed, so the
-    sum overcounts by the smaller of those two; it leaves out the gradients a layer's backward
-    allocates, the embedding's dropout mask, the allocator's fragmentation and communication buffers.
+    `total` is the peak, for the fuller of the first and the last pipeline stage (`stage`; "only"
+    without PP; `stages` gives each one's): states + kept activations + gathered + the larger of the
+    working set and the logits. Those two are never alive together: the logits and their gradient
+    are freed once the output layer's backward has run, before the last layer is recomputed, and
+    the K/V blocks travel only while a layer's attention runs. It leaves out the gradients a
+    layer's backward allocates, the loss's own temporaries, the embedding's dropout mask, the
+    allocator's fragmentation and the communication libraries' buffers.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
@@ -149,13 +162,17 @@ def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int
     per_layer = layer(recompute)
     in_flight = attention_memory(seq_len, micro_batch, cfg.hidden // tp, cfg.heads // tp, cp)["in_flight"]
     working = in_flight + (layer("selective") if recompute == "full" else 0)
-    logits = -(-LOGIT_BYTES * micro_batch * local * cfg.padded_vocab // tp)
+    gathered = ACTIVATION_BYTES * micro_batch * local * cfg.hidden if sequence_parallel and tp > 1 else 0
+    logits = -(-(ACTIVATION_BYTES + LOGIT_BYTES) * micro_batch * local * cfg.padded_vocab // tp)
     layers = cfg.n_layers // pp
-    stages = {"only": (layers * per_layer, logits)} if pp == 1 else {
+    kept = {"only": (layers * per_layer, logits)} if pp == 1 else {
         "first": (min(microbatches, pp) * layers * per_layer, 0), "last": (layers * per_layer, logits)}
-    stage, (activations, stage_logits) = max(stages.items(), key=lambda item: sum(item[1]))
-    return {**states, "activations": activations, "working": working, "logits": stage_logits,
-            "total": states["states"] + activations + working + stage_logits, "stage": stage}
+    stages = {name: states["states"] + activations + gathered + max(working, stage_logits)
+              for name, (activations, stage_logits) in kept.items()}
+    stage = max(stages, key=stages.get)
+    activations, stage_logits = kept[stage]
+    return {**states, "activations": activations, "gathered": gathered, "working": working, "logits": stage_logits,
+            "total": stages[stage], "stage": stage, "stages": stages}
 
 
 def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> dict:

@@ -504,22 +504,29 @@ WHY = {
                      "tokens they are the larger part; at 128k they are nearly all of it."),
     "plain_ratio": ("Rank 0 holds the first half of the sequence: its queries see only its own keys, one block, on "
                     "the diagonal; rank 1's block, all later, is hidden and skipped. Rank 1's queries see all of rank "
-                    "0's keys (a whole block) and their own (the diagonal block): two. A block on the diagonal costs "
-                    "a whole one, since the kernel runs on the whole block; of the scores the mask keeps, rank 1 "
-                    "computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2). On cp ranks the plain "
-                    "split's rank r computes r + 1 blocks: the last rank cp, the first one. The step time is the "
-                    "slowest rank's, so as cp grows the plain split leaves nearly half of the machine idle."),
+                    "0's keys (a whole block) and their own (the diagonal block): two. These are blocks as this "
+                    "library counts them, the one on the diagonal as a whole one. Of the scores the mask keeps, rank 1 "
+                    "computes nearly three times rank 0's (c^2 + c(c+1)/2 against c(c+1)/2), which is what a kernel "
+                    "that skips the tiles above the diagonal would see. On cp ranks the plain split's rank r computes "
+                    "r + 1 blocks: the last rank cp, the first one. The step time is the slowest rank's, so as cp "
+                    "grows the plain split leaves nearly half of the machine idle."),
     "balanced_share": ("Two ranks cut the sequence into 2 cp = 4 chunks of s/4 positions: rank 0 holds chunks 0 and "
                        "3, rank 1 chunks 1 and 2. Of the 4 x 5 / 2 = 10 chunk pairs the mask leaves visible (those on "
                        "the diagonal counted whole), each rank computes 5 of (s/4)^2 scores: 10 s^2/16 in all. The "
                        "plain split's chunks are s/2 long: 3 pairs of (s/2)^2, 12 s^2/16. So the balanced split "
                        "computes 10/12 = 5/6 of it: its blocks on the diagonal, counted whole though the mask hides "
-                       "half of each, are smaller. On cp ranks the share is (2 cp + 1) / (2 cp + 2); both splits "
-                       "tend to the s^2/2 scores the mask keeps."),
+                       "half of each, are smaller. On cp ranks the share is (2 cp + 1) / (2 cp + 2). The answer rests "
+                       "on counting a diagonal block whole: a kernel that skips the tiles above the diagonal "
+                       "(FlashAttention's causal kernels) computes about the s^2/2 scores the mask keeps with either "
+                       "split, so there the share is about 1, and what the balanced split gains is the balance "
+                       "alone: every rank computes the same, so none waits for the last."),
     "ring_sends": ("Forward: rank 0 sends its K and V blocks once, to its neighbour (cp - 1 = 1 hop): 2 blocks. "
                    "Backward: K and V travel again, and beside them the sums of dK and dV for the block, which collect "
                    "each rank's contribution on their way back to its owner: 4 blocks. 6 blocks of "
                    "b x s/2 x h x 4 bytes = {block:,} bytes each; the receives are the same bytes the other way."),
-    "capacity": ("C = ceil(1.25 x 2 x 128 / 4) = 80: each expert takes up to 80 of the 256 assignments, 25 % more than "
-                 "its share of 64 under a perfectly balanced router."),
+    "dropped": ("At factor 1.0 an expert's capacity is its balanced share of the assignments, C = ceil(1.0 x 2 x "
+                "128 / 4) = {capacity}. The router's choices do not depend on the capacity: the experts got {routed} "
+                "assignments, and each drops what it got beyond {capacity}: {dropped} in all. At factor 1.25, C = "
+                "{capacity_125}, and {dropped_125} are dropped. A balanced share is a mean, here a whole number, so at "
+                "factor 1.0 any imbalance at all drops assignments: that is why capacities carry a factor above 1."),
 }
