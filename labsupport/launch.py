@@ -337,7 +337,8 @@ class _Clock:
         late = sorted(set(range(self.nproc)) - set(self.up()))
         why = (f"rank(s) {', '.join(map(str, late))} never through labsupport.init()" if late else
                f"the ranks took longer than {self.startup:g} s to start")
-        return f"timed out after {self.startup + self.timeout:g} s ({self.startup:g} s to start, then {self.timeout:g} s; {why})"
+        return (f"timed out after {self.startup + self.timeout:g} s ({self.startup:g} s to start, "
+                f"then {self.timeout:g} s; {why})")
 
 
 def _pump(proc, clock, shown, out, agent_log):

@@ -204,7 +204,8 @@ def test_a_measured_figure_stacks_its_two_charts_on_one_time_axis():
     predicted, measured = measured_with_slivers()
     top, bottom = wp.gantt_figure(predicted, measured=measured, unit="seconds").axes
     assert top.get_position().y0 > bottom.get_position().y1     # one above the other, each the figure's width
-    assert top.get_xlim() == bottom.get_xlim() == (0, max(predicted.total_time, max(s[1] for st in measured for s in st)))
+    longest = max(predicted.total_time, max(s[1] for st in measured for s in st))
+    assert top.get_xlim() == bottom.get_xlim() == (0, longest)
 
 
 def test_control_labels_are_not_cut_off():
