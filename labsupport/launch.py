@@ -33,6 +33,12 @@ from pathlib import Path
 from .rundir import RunDirError, display_path, make_run_dir
 
 DEFAULT_NOTEBOOK_TIMEOUT = 600
+# A launch's `timeout` counts from the moment every rank is up (through labsupport.init(): torch
+# imported, the others met), so that a start slowed by a loaded machine does not eat a limit meant
+# for the ranks' work. The ranks get this long to come up; past it the timeout counts anyway (a
+# script that never calls labsupport.init() never says it is up).
+STARTUP_TIMEOUT_S = 60
+UP_ENV = "LABSUPPORT_SAY_UP"   # set by launch(): labsupport.init() then leaves up-rank{k} in the run directory
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|communicator was aborted|Broken pipe", re.I)
 
@@ -214,7 +220,7 @@ class RunResult:
 def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
            run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
            env: dict | None = None, check: bool = True, check_collectives: bool = False,
-           out=None, accelerate_config=None) -> RunResult:
+           out=None, accelerate_config=None, startup_timeout: float = STARTUP_TIMEOUT_S) -> RunResult:
     """Run `script` (or `module=`, or "-m", MODULE) on `nproc` ranks under torchrun and wait for it.
 
     Output of the ranks in `ranks` ("all" or e.g. "0") is written to `out` (default
@@ -223,6 +229,11 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     (TORCH_DISTRIBUTED_DEBUG=DETAIL), turning a silent mismatch into a named error. With `check=True` a
     failing rank raises RankFailed naming it, a run past `timeout` seconds raises
     LaunchTimeout naming the ranks still running and where; either way no process is left.
+
+    `timeout` counts from the moment every rank is up, that is through `labsupport.init()` (torch
+    imported, the process group formed): on a loaded machine starting the ranks can take longer
+    than the work a limit is meant for. The ranks get `startup_timeout` seconds to come up; past
+    that (or for a script that never calls `labsupport.init()`) the timeout counts anyway.
 
     `accelerate_config=FILE` starts the ranks with `accelerate launch --config_file FILE` instead of
     torchrun (Accelerate runs torchrun's agent in its own process, with FILE's plugin settings in
@@ -238,6 +249,8 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
         raise LaunchError(f"ranks must be 'all' or a comma-separated list like '0', got {ranks!r}")
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be > 0 seconds, got {timeout}")
+    if startup_timeout < 0:
+        raise LaunchError(f"startup_timeout must be >= 0 seconds, got {startup_timeout}")
     try:
         run_dir = make_run_dir(run_dir, name or Path(script or module).stem)
     except RunDirError as e:
@@ -259,7 +272,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
                  "--monitor_interval", "0.1", "--module"]
     cmd = [sys.executable, "-m", "labsupport.agent", *agent, "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),
-                 "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1",
+                 "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", UP_ENV: "1",
                  "OMP_NUM_THREADS": str(threads_per_rank(nproc)),
                  "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     if device == "cpu":
@@ -269,15 +282,16 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
 
     start = time.monotonic()
+    clock = _Clock(run_dir, nproc, timeout, startup_timeout, start)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
                             start_new_session=True, preexec_fn=die_with_parent)
     try:
         with open(run_dir / "torchrun.log", "w") as agent_log:
-            _pump(proc, start, timeout, shown, out, agent_log)
+            _pump(proc, clock, shown, out, agent_log)
     except _Timeout:
         waiting = _where_ranks_wait(run_dir, nproc)
         kill_tree(proc)
-        raise LaunchTimeout(f"timed out after {timeout:g} s; still running: {waiting or 'no rank reported'}; "
+        raise LaunchTimeout(f"{clock.describe()}; still running: {waiting or 'no rank reported'}; "
                             f"logs in {display_path(run_dir)}") from None
     except BaseException:  # KeyboardInterrupt from the notebook's stop button or Ctrl-C
         kill_tree(proc)
@@ -296,14 +310,45 @@ class _Timeout(Exception):
     pass
 
 
-def _pump(proc, start, timeout, shown, out, agent_log):
-    """Copy the ranks' lines to `out` until torchrun exits; raise _Timeout past the deadline."""
+class _Clock:
+    """A launch's deadline: `timeout` seconds after every rank is up (each has left `up-rank{k}`, which
+    labsupport.init() writes once its process group is formed), or, for ranks that are not all up
+    within `startup` seconds, `timeout` seconds after that."""
+
+    def __init__(self, run_dir: Path, nproc: int, timeout: float | None, startup: float, start: float):
+        self.run_dir, self.nproc, self.timeout, self.startup, self.start = run_dir, nproc, timeout, startup, start
+        self.up_at: float | None = None
+
+    def up(self) -> list[int]:
+        return [r for r in range(self.nproc) if (self.run_dir / f"up-rank{r}").exists()]
+
+    def expired(self, now: float) -> bool:
+        if self.timeout is None:
+            return False
+        if self.up_at is None and now - self.start <= self.startup and len(self.up()) == self.nproc:
+            self.up_at = now   # ranks up only after `startup`: the deadline stays
+        began = self.up_at if self.up_at is not None else self.start + self.startup
+        return now - began > self.timeout
+
+    def describe(self) -> str:
+        """What ran out, for the LaunchTimeout's message."""
+        if self.up_at is not None:
+            return f"timed out after {self.timeout:g} s"
+        late = sorted(set(range(self.nproc)) - set(self.up()))
+        why = (f"rank(s) {', '.join(map(str, late))} never through labsupport.init()" if late else
+               f"the ranks took longer than {self.startup:g} s to start")
+        return (f"timed out after {self.startup + self.timeout:g} s ({self.startup:g} s to start, "
+                f"then {self.timeout:g} s; {why})")
+
+
+def _pump(proc, clock, shown, out, agent_log):
+    """Copy the ranks' lines to `out` until torchrun exits; raise _Timeout once `clock` has expired."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     buf = b""
     fd = proc.stdout.fileno()
     while True:
-        if timeout is not None and time.monotonic() - start > timeout:
+        if clock.expired(time.monotonic()):
             raise _Timeout()
         if not sel.select(timeout=0.1):
             continue

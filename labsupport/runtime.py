@@ -172,6 +172,7 @@ class Runtime:
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
         seed_everything(self.seed)
+        _say_up(self.rank)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -264,6 +265,14 @@ def _destroy_world() -> None:
         warnings.warn("the process group is still referenced after destroy_process_group(), so its "
                       "threads live until exit and may abort it; import modules that take "
                       "group=group.WORLD as a default before labsupport.init()", RuntimeWarning)
+
+
+def _say_up(rank: int) -> None:
+    """Tell the launcher that this rank is up (torch imported, the group formed): its timeout counts
+    from the moment every rank has said so (launch.STARTUP_TIMEOUT_S)."""
+    run_dir = os.environ.get("LABSUPPORT_RUN_DIR")
+    if run_dir and os.environ.get("LABSUPPORT_SAY_UP") == "1":
+        open(os.path.join(run_dir, f"up-rank{rank}"), "w").close()
 
 
 def init(seed: int = 0, **kwargs) -> Runtime:

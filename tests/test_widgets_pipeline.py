@@ -168,6 +168,46 @@ def test_micro_batch_numbers_sit_inside_their_bars_or_are_left_out(make):
         assert sum(t.fits for t in one_f_one_b) >= len(one_f_one_b) / 2   # most bars are wide enough to say which
 
 
+def measured_with_slivers(p=2, m=8):
+    """A measured-like 1F1B step in seconds: forwards ~3 ms, backwards ~5 ms, and three forwards per stage that a
+    loaded machine made slivers of 0.6 ms (the newcomer's pass of issue 28 saw such bars without numbers)."""
+    predicted = simulate(schedule("1f1b", p, m), forward_time=0.003, backward_ratio=5 / 3)
+    return predicted, [[(s, s + (0.0006 if op == "F" and mb in (2, 3, 5) else e - s), op, mb, c)
+                        for s, e, op, mb, c in stage] for stage in predicted.spans]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: wp.gantt_figure(*measured_with_slivers(), unit="seconds", title="1F1B, p = 2, m = 8: simulated with "
+                            "the measured times", measured_title="measured: the run's last step"),  # notebook 05's [36]
+    lambda: wp.PipelineWidget("1f1b", stages=2, microbatches=8, measured={"1f1b": measured_with_slivers()[1]}).figure(),
+])
+def test_every_measured_bar_has_its_number_inside_above_or_below_it(make):
+    """Issue 28: in 05's measured Gantt chart the slivers had no numbers. In a measured panel a number that does
+    not fit inside its bar sits just above it (or below), clear of the others and inside the figure."""
+    fig = make()
+    renderer = rendered(fig)
+    measured = next(ax for ax in fig.axes if ax.get_title(loc="left").startswith("measured"))
+    labels = [t for t in measured.texts if isinstance(t, wp.BarLabel)]
+    assert len(labels) == 2 * 2 * 8 and all(t.placed for t in labels), [t.get_text() for t in labels if not t.placed]
+    outside = [t for t in labels if t.placed != "inside"]
+    assert sorted(t.get_text() for t in outside) == ["2", "2", "3", "3", "5", "5"]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not [(a.get_text(), b.get_text()) for i, a in enumerate(labels) for j, b in enumerate(labels)
+                if i < j and boxes[i].overlaps(boxes[j])]
+    for t, box in zip(labels, boxes):
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1), t.get_text()
+        assert measured.bbox.y0 <= box.y0 and box.y1 <= measured.bbox.y1, f"{t.get_text()!r} leaves its panel"
+    assert fig.get_figwidth() <= 9.6, "wider than the output area (the widget's figure is 9.6 in)"
+
+
+def test_a_measured_figure_stacks_its_two_charts_on_one_time_axis():
+    predicted, measured = measured_with_slivers()
+    top, bottom = wp.gantt_figure(predicted, measured=measured, unit="seconds").axes
+    assert top.get_position().y0 > bottom.get_position().y1     # one above the other, each the figure's width
+    longest = max(predicted.total_time, max(s[1] for st in measured for s in st))
+    assert top.get_xlim() == bottom.get_xlim() == (0, longest)
+
+
 def test_control_labels_are_not_cut_off():
     """Issue 18: "backward / forw..." - JupyterLab cuts a description wider than description_width."""
     w = wp.PipelineWidget()

@@ -7,6 +7,8 @@ description (`estimate.collective_steps`) and the one table of wire factors (`es
 """
 from __future__ import annotations
 
+import textwrap
+
 from ..estimate import collective_steps
 from ..estimate.comm_cost import BUS_FACTOR
 from . import on_ranks
@@ -179,12 +181,31 @@ def grade_mean_loss(fn, source) -> str:
                           "one rank make alone?", timeout=10)
 
 
+def _paragraphs(*texts: str) -> str:
+    """A lesson as printed: paragraphs wrapped at 100 characters, since JupyterLab breaks a long output line
+    anywhere, mid-word included."""
+    return "\n\n".join(textwrap.fill(" ".join(t.split()), 100, break_on_hyphens=False) for t in texts)
+
+
+MEAN_LOSS_LESSON = _paragraphs(
+    "Why it hung. The all-reduce sat inside `if comm.get_rank() == 0 and step % 2 == 0`, so only rank 0 called "
+    "it, and only on even steps. A collective returns only once every rank of its group has called it: rank 0 "
+    "waited in comm.all_reduce for a partner that never came, while rank 1 ran through its steps and waited at "
+    "the end of its script, in the barrier that `with labsupport.init()` passes on the way out, which is where "
+    "the timeout found them. On one process there is no partner to wait for, so the helper worked there.",
+    "The fix: every rank computes the mean; only the printing belongs under the `if`. The rule holds for "
+    "anything that communicates inside: a metric averaged for logging, a barrier, an evaluation that all-reduces "
+    "its loss, a state_dict of a sharded model (FSDP and ZeRO-3 gather the shards with collectives). Call it on "
+    "every rank; let rank 0 alone print or write.")
+
 register(Exercise(
     name="mean_loss", notebook="00", title="Find the bug: the loss that is logged only on rank 0", ranks=2,
-    grade=grade_mean_loss, bug_lab=True,
-    hints=("Which ranks reach the all_reduce? Look at the `if` around it.",
-           "A collective is a meeting: it returns only when every rank of the group has called it. "
-           "Do the all-reduce on every rank; only the print belongs under `if rank == 0`."),
+    grade=grade_mean_loss, bug_lab=True, lesson=MEAN_LOSS_LESSON,
+    cause=("only rank 0", "rank 0 alone", "rank 0 calls", "one rank skips", "nobody joins", "never joins",
+           "inside the if", "under the if", "inside the `if`", "under the `if`"),
+    hints=("Which ranks reach the all_reduce? Follow one call of mean_loss on rank 1, line by line.",
+           "Look at the `if` around the all_reduce. A collective is a meeting: it returns only when every rank of "
+           "the group has called it. Do the all-reduce on every rank; only the print belongs under `if rank == 0`."),
     solution='''
 def mean_loss(loss, step):
     total = loss.detach().clone()
@@ -198,7 +219,11 @@ def mean_loss(loss, step):
 # Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
 # and not in the notebook's cell, which the attendee reads before predicting.
 WHY = {
-    "reduce_scatter": "Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72.",
-    "ring_bytes": "2(n-1) = 6 steps of one chunk of M/4 = 256 KiB each: 1.5 MiB, 2(n-1)/n x M.",
-    "alpha_us": "A message between two processes of one machine costs a system call and a wake-up on each side.",
+    "reduce_scatter": ("Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72. Every rank r keeps its piece of the "
+                       "column sums, 60 + 4r."),
+    "ring_bytes": ("2(n-1) = 6 steps of one chunk of M/4 = 256 KiB each: 1.5 MiB, 2(n-1)/n x M. The check below "
+                   "counts the sends."),
+    "alpha_us": ("A message between two processes of one machine costs a system call and a wake-up on each side: "
+                 "tens to hundreds of microseconds on a laptop, mostly the operating system waking up the "
+                 "receiving process."),
 }

@@ -10,6 +10,8 @@ of the library's schedule, and compares every gradient with the dense model's.
 """
 from __future__ import annotations
 
+import textwrap
+
 from . import on_ranks
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
 
@@ -33,6 +35,20 @@ def _actions(got, what: str) -> list:
         else:
             raise Wrong(f"{what} returned {a!r} in its list; each entry is Action(op, microbatch), op \"F\" or \"B\"")
     return out
+
+
+def _paragraphs(*texts: str) -> str:
+    """A lesson as printed: paragraphs wrapped at 100 characters, since JupyterLab breaks a long output line
+    anywhere, mid-word included."""
+    return "\n\n".join(textwrap.fill(" ".join(t.split()), 100, break_on_hyphens=False) for t in texts)
+
+
+def side_of(value: float, reference: float, tolerance: float = 0.05) -> str:
+    """"above", "equal" (within `tolerance` of `reference`, relative) or "below": the answer of a prediction
+    that compares a measurement with a formula, computed so that no cell has to spell it out."""
+    if abs(value - reference) <= tolerance * abs(reference):
+        return "equal"
+    return "above" if value > reference else "below"
 
 
 def _describe(a) -> str:
@@ -253,10 +269,33 @@ def grade_blocking_actions(fn, source) -> str:
             "activation before it sends the gradient, so the two stages never both wait in a send")
 
 
+BLOCKING_LESSON = _paragraphs(
+    "Why it hung. In 1F1B's steady state on two stages each stage ends a computation with a send and only then "
+    "receives. After its forward of micro-batch 1, stage 0 sends the activation (SEND_F1) and would then receive "
+    "the gradient of micro-batch 0 (RECV_B0); at the same moment stage 1, done with the backward of micro-batch 0, "
+    "sends that gradient (SEND_B0) and would then receive the next activation (RECV_F1). The two sends cross. A "
+    "blocking send returns only once the other side has posted its receive, so each stage waits in its send for a "
+    "receive the other never reaches: the simulator's deadlock, and on real ranks the hang above, both ranks in "
+    "comm.send. The library's lists assume sends that do not block (isend): gloo then posts both messages and both "
+    "receives complete.",
+    "Two cures are in use. Order: on two stages, let one of them receive first, as your fix does. DeepSpeed's "
+    "pipeline engine, whose sends block too (dist.send in deepspeed/runtime/pipe/p2p.py), orders every exchange "
+    "so: its TrainSchedule runs the stages in lock-step, neighbours always in opposite phases (one in a forward "
+    "step, the other in a backward step), and in a forward step a stage sends its gradient back before it "
+    "receives the next activation, while its neighbour, in a backward step, receives that gradient before it "
+    "sends the activation: each send meets its receive.",
+    "Post both at once: labsupport's executor posts each send together with the receive that follows it as one "
+    "batch_isend_irecv group (PipelineSplit._post in labsupport/parallel/pipeline.py), as Megatron-LM's "
+    "send_forward_recv_backward does; then neither side waits for the other to start. NCCL needs this even with "
+    "non-blocking sends: its guide asks that point-to-point calls which must progress together go in one group, "
+    "or they may deadlock.")
+
 register(Exercise(
     name="blocking_actions", notebook="05", bug_lab=True,
     title="Find the bug: 1F1B with blocking sends",
-    grade=grade_blocking_actions,
+    grade=grade_blocking_actions, lesson=BLOCKING_LESSON,
+    cause=("sends cross", "the two sends", "send first", "sends first", "receive first", "receives first",
+           "both send", "swap"),
     hints=("Read the simulator's message: where does each stage wait, and for what? A blocking send returns only "
            "once the other stage has reached the matching receive.",
            "In the steady state both stages finish a computation and send (stage 0 an activation forward, stage 1 a "
@@ -285,14 +324,23 @@ def blocking_actions(stage, stages, microbatches):
 WHY = {
     "naive_idle": ("Each stage works 1 + 2 = 3 of the 12 time units (its forward and its backward) and waits for the "
                    "other three stages the rest: (p - 1) / p = 3/4. Four devices do the work of one."),
-    "interleaved": ("(p - 1) / (v m) = 3 / 16: half of 1F1B's 3 / 8, because every forward and backward of the ramp "
-                    "is half a stage's layers. The price: twice the sends, and more activations in flight during "
-                    "warm-up: every stage holds more than twice as many chunk forwards as 1F1B holds micro-batches, "
-                    "each half a stage's."),
-    "live_bubble": ("The formula counts only the ramp, on a machine with free messages, equal stages and ranks in "
-                    "step: (p - 1) / (m + p - 1) = 1/9. What it leaves out, described below the chart, adds waiting."),
+    "interleaved": ("Each of the v passes through the ring of stages is 1/v of a stage's layers, so the ramp up and "
+                    "down is p - 1 forwards and backwards of one chunk, each 1/v of a stage's: idle / busy = "
+                    "(p - 1) / (v m) = 3 / 16, half of 1F1B's 3 / 8. The price: v times the point-to-point messages "
+                    "(every chunk boundary is a send), and more activations in flight during warm-up: every stage "
+                    "holds more than twice as many chunk forwards as 1F1B holds micro-batches, each half a stage's "
+                    "(the line below)."),
+    "live_bubble": ("The formula counts only the ramp, on a machine where messages are free, stages are equal and "
+                    "ranks stay in step: (p - 1) / (m + p - 1) = 1/9. The run has none of the three. The gaps that "
+                    "the simulated chart does not have are messages: stage 1, between a backward and the next "
+                    "forward, waits for the activation that stage 0 sends only after its own forward, and each "
+                    "message costs time (here a copy through the loopback, on the same two cores that compute). "
+                    "The stages are not equal: stage 1 also computes the LM head and the loss. And two ranks that "
+                    "share two cores with this notebook are rarely in step. All three add waiting. On GPUs with "
+                    "NVLink or InfiniBand the messages are small beside a real stage's compute and the formula is "
+                    "a good guide; where it is not, the measured chart shows where the time went."),
     "memory_ratio": ("Stage 0 holds m = 8 micro-batches' activations at its peak under GPipe and p - 0 = 2 under "
-                     "1F1B: 4x (the last stage: 8 against 1). The meter counts the tensors autograd keeps for "
-                     "backward, the same bytes for every micro-batch, so the ratios are exactly the counts of "
-                     "micro-batches in flight."),
+                     "1F1B: 4x. The last stage shows 1F1B at its best, 8 against 1: it runs each backward right "
+                     "after its forward. The meter counts the tensors autograd keeps for backward, the same bytes "
+                     "for every micro-batch, so the ratios are exactly the counts of micro-batches in flight."),
 }
