@@ -36,6 +36,34 @@ def test_sequence_parallelism_trades_each_all_reduce_for_a_pair_of_the_same_volu
     assert wire(sp["backward"], tp) == pytest.approx(wire(plain["backward"], tp) + wire(regather, tp))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_full_recomputation_runs_the_layers_forward_collectives_again(sequence_parallel):
+    """Korthikanti et al. 2022, Sec. 5: full activation recomputation recomputes a layer "using an extra
+    forward pass during back-propagation", its collectives included. Without SP: 2 forward + 2 recomputed
+    + 2 backward = 6 all-reduces per layer and micro-batch, 3/2 of the bytes. Selective recomputation
+    reruns only the attention core, inside the parallel region: nothing more is sent. Only the layers
+    are recomputed: the embedding's and the loss's collectives stay as they were."""
+    b, s, h = 2, 2048, 6144
+    kept = layer_comm(b * s, h, sequence_parallel, recompute="none")
+    full = layer_comm(b * s, h, sequence_parallel, recompute="full")
+    assert list(full) == ["forward", "recompute", "backward"] and full["recompute"] == full["forward"]
+    assert layer_comm(b * s, h, sequence_parallel, recompute="selective") == kept
+    if not sequence_parallel:
+        assert full["forward"]["all_reduce"][0] + full["recompute"]["all_reduce"][0] \
+            + full["backward"]["all_reduce"][0] == 6
+        assert sum(wire(ops, 4) for ops in full.values()) == pytest.approx(
+            1.5 * sum(wire(ops, 4) for ops in kept.values()))
+    step, again = (total(tp_comm(3, 64, 32, 2, microbatches=2, sequence_parallel=sequence_parallel, recompute=r), 2)
+                   for r in ("none", "full"))
+    for op, counts in again.items():
+        extra = full["recompute"].get(op, (0, 0))
+        # per layer and micro-batch, at tp_comm's default 4 bytes per element
+        assert counts["calls"] == step[op]["calls"] + 3 * 2 * extra[0]
+        assert counts["payload_bytes"] == step[op]["payload_bytes"] + 3 * 2 * 2 * 32 * 64 * 4 * extra[0]
+    with pytest.raises(ValueError, match="unknown recompute"):
+        layer_comm(b * s, h, recompute="yes")
+
+
 def test_the_loss_never_moves_the_logits():
     """The vocab-parallel cross-entropy reduces 3 numbers per token, whatever the vocabulary."""
     step = tp_comm(n_layers=1, hidden=64, seq_len=8, micro_batch=2)

@@ -71,7 +71,7 @@ def test_controls_change_the_numbers():
     assert "communication / compute = " + f"{w.prediction['ratio']:.3g}" in w.text
     seen = {w.text}
     for name, value in [("micro_batch", 4), ("microbatches", 8), ("bytes_per_element", 4), ("seq_len", 4096),
-                        ("machine", "DGX A100"), ("tp", 4), ("model", "175b")]:
+                        ("recompute", "full"), ("machine", "DGX A100"), ("tp", 4), ("model", "175b")]:
         before = w.png
         w.controls[name].value = value
         assert w.prediction == step_cost(**w.options()), name
@@ -79,7 +79,24 @@ def test_controls_change_the_numbers():
         seen.add(w.text)
     assert w.controls["seq_len"].value == 2048  # a preset brings its own context
     assert w.prediction["cfg"] == PRESETS["175b"]
+    assert w.table.value.count("<tr>") == 1 + 4 + 1  # header; forward, recompute, backward, clip; step total
+    w.controls["recompute"].value = "none"
     assert w.table.value.count("<tr>") == 1 + 3 + 1  # header; forward, backward and clip all_reduce; step total
+
+
+def test_full_recomputation_adds_half_the_tp_traffic_and_a_third_of_the_compute():
+    """Part II's 22B hands-on passes --checkpoint-activations: each layer's forward, its two all-reduces
+    included, runs again in backward. The layers' TP traffic grows by 3/2 (the embedding's and the
+    loss's stay), the compute by about 4/3 (the LM head is not recomputed)."""
+    kept = step_cost("22b", 16, "Frontier (MI250X GCD)", micro_batch=2)
+    full = step_cost("22b", 16, "Frontier (MI250X GCD)", micro_batch=2, recompute="full")
+    assert full["phases"]["recompute"]["all_reduce"]["calls"] == 2 * 48 and "recompute" not in kept["phases"]
+    assert full["total"]["all_reduce"]["calls"] == kept["total"]["all_reduce"]["calls"] + 2 * 48
+    assert 1.45 < full["comm_s"] / kept["comm_s"] < 1.5
+    assert 1.32 < full["flops"] / kept["flops"] < 4 / 3
+    w = cc.CommCounterWidget("22b", tp=16, machine="Frontier (MI250X GCD)", micro_batch=2, recompute="full")
+    assert w.prediction == full and "recompute (forward again)" in w.table.value
+    assert w.figure().axes[0].get_title() == "22b, T = 16, full recomputation"
 
 
 def test_sequence_parallelism_trades_all_reduces_for_all_gathers_and_reduce_scatters():
@@ -133,7 +150,7 @@ def test_a_runs_counts_are_shown_beside_the_prediction_when_the_settings_match()
     run = fake_run(tp=2, sequence_parallel=True, micro_batch=4, global_batch=8)
     w = cc.CommCounterWidget(measured=run, machine="DGX A100")
     assert w.options() == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=True, micro_batch=4,
-                               microbatches=2, bytes_per_element=4, machine="DGX A100")
+                               microbatches=2, bytes_per_element=4, recompute="none", machine="DGX A100")
     assert w.matches_run() and "exactly the prediction" in w.text
     assert "counted in the run" in w.table.value
     hatched = [p for p in w.figure().axes[0].patches if p.get_hatch() == "//"]
@@ -159,7 +176,7 @@ def test_a_bare_comm_dict_belongs_to_the_keywords():
 def test_from_run_reads_the_run_summary():
     settings, counted = cc.from_run(fake_run(tp=2, micro_batch=2, global_batch=8, dtype="bf16"))
     assert settings == dict(model="nano", seq_len=64, vocab=65, tp=2, sequence_parallel=False, micro_batch=2,
-                            microbatches=4, bytes_per_element=2)
+                            microbatches=4, bytes_per_element=2, recompute="none")
     assert counted == step_cost(**settings)["total"]
     piped = fake_run()
     piped["parallel"]["pp"] = 2
@@ -265,7 +282,8 @@ def pictures():
     """The comm counter's figure as notebook 04 shows it, and at other settings; notebook 04's scaling plot."""
     yield "04 tp + SP run", cc.CommCounterWidget(measured=fake_run(tp=2, sequence_parallel=True),
                                                  machine="DGX H100").figure()
-    yield "04 22b T = 16", cc.CommCounterWidget("22b", tp=16, machine="Frontier (MI250X GCD)").figure()
+    yield "04 22b T = 16", cc.CommCounterWidget("22b", tp=16, machine="Frontier (MI250X GCD)", micro_batch=2,
+                                                recompute="full").figure()
     yield "T = 1", cc.comm_figure("nano", 1, vocab=65)
     yield "175b T = 32", cc.comm_figure("175b", 32, "DGX A100", sequence_parallel=True, microbatches=8)
     ratios = {m: {t: step_cost("22b", t, m)["ratio"] for t in (2, 4, 8, 16)} for m in ("Frontier (MI250X GCD)",

@@ -21,6 +21,15 @@ maximum and, together, the target logits and the denominators: b s and 2 b s fp3
 never the b s V logits. Per step, sequence parallelism adds one all-reduce of the LayerNorm
 and row-parallel bias gradients, and the gradient norm one float64.
 
+Full activation recomputation (Megatron's `--checkpoint-activations`, what Part II's 22B hands-on
+passes): Korthikanti et al. 2022, Sec. 5, keep only each layer's input and recompute the rest "using an
+extra forward pass during back-propagation". That pass runs the layer's forward collectives again, in
+the backward pass, before the layer's own backward ones: without sequence parallelism 2 forward + 2
+recomputed + 2 backward = 6 all-reduces per layer and micro-batch, 3/2 of the bytes (the phase
+"recompute"). The embedding, the LM head and the loss are not recomputed (DeepSpeed's pipeline module,
+as Megatron-DeepSpeed builds it, checkpoints only the transformer layers). Selective recomputation
+(Sec. 5) reruns only the attention core, which communicates nothing.
+
 Sizes are `payload_bytes` as labsupport.comm counts them (for all-gather and reduce-scatter the
 full, unsharded buffer); `total` adds the wire bytes with nccl-tests' bus factors. `step_cost`
 prices one step's collectives on a machine (alpha-beta, ring) beside the step's compute.
@@ -32,42 +41,64 @@ from collections import defaultdict
 from .comm_cost import BUS_FACTOR, collective_time
 from .flops import TYPICAL_MFU, training_flops_per_token
 from .machines import MACHINES, link
+from .memory import RECOMPUTE
 from .shapes import preset_shape
 
 LOSS_BYTES = 4   # the loss reduces fp32 numbers whatever the compute dtype
 NORM_BYTES = 8   # the squared gradient norm is summed in float64
 
 
-def layer_comm(tokens: int, hidden: int, sequence_parallel: bool = False, bytes_per_element: int = 2) -> dict:
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+
+
+def layer_comm(tokens: int, hidden: int, sequence_parallel: bool = False, bytes_per_element: int = 2,
+               recompute: str = "none") -> dict:
     """{"forward": {op: (calls, payload_bytes)}, "backward": ...} of one transformer layer for
-    one micro-batch of `tokens` = b x s positions (Shoeybi et al. Fig. 4; Korthikanti Sec. 4.2.2)."""
+    one micro-batch of `tokens` = b x s positions (Shoeybi et al. Fig. 4; Korthikanti Sec. 4.2.2).
+
+    `recompute` is "none", "selective" or "full" (memory.RECOMPUTE). Under "full" the forward pass
+    runs a second time in backward (Korthikanti et al. 2022, Sec. 5: full activation recomputation,
+    "an extra forward pass"), collectives included: a phase "recompute", between "forward" and
+    "backward", holds the same ops as "forward". "selective" recomputes only the attention core
+    (Q K^T, softmax, dropout, attention over V), inside the parallel region: no collective."""
+    _check_recompute(recompute)
     size = tokens * hidden * bytes_per_element
     if sequence_parallel:
-        return {"forward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)},
-                "backward": {"all_gather": (2 + 2, (2 + 2) * size),  # g's backward, then the inputs again
-                             "reduce_scatter": (2, 2 * size)}}
-    return {"forward": {"all_reduce": (2, 2 * size)}, "backward": {"all_reduce": (2, 2 * size)}}
+        forward = {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)}
+        backward = {"all_gather": (2 + 2, (2 + 2) * size),  # g's backward, then the inputs again
+                    "reduce_scatter": (2, 2 * size)}
+    else:
+        forward = {"all_reduce": (2, 2 * size)}
+        backward = {"all_reduce": (2, 2 * size)}
+    if recompute == "full":
+        return {"forward": forward, "recompute": dict(forward), "backward": backward}
+    return {"forward": forward, "backward": backward}
+
+
+PHASES = ("forward", "recompute", "backward", "finish", "clip")  # in the order a step runs them
 
 
 def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, microbatches: int = 1,
             sequence_parallel: bool = False, bias: bool = True, bytes_per_element: int = 4,
-            grad_bytes: int = 4, embedding: bool = True, head: bool = True) -> dict:
+            grad_bytes: int = 4, embedding: bool = True, head: bool = True, recompute: str = "none") -> dict:
     """{phase: {op: {"calls", "payload_bytes"}}} one rank of a TP group sends per optimizer step,
-    phases "forward" and "backward" (all micro-batches), "finish" (sequence parallelism's summed
-    LayerNorm and bias gradients) and "clip" (the gradient norm). `bytes_per_element` is the
+    phases "forward", "recompute" (full recomputation's second forward pass of the layers, in
+    backward: `layer_comm`) and "backward" (all micro-batches), "finish" (sequence parallelism's
+    summed LayerNorm and bias gradients) and "clip" (the gradient norm). `bytes_per_element` is the
     activations' (2 under bf16 autocast), `grad_bytes` the gradients'. A pipeline stage holds
     `n_layers` of the layers, the embedding only on the first stage, the LM head and the loss only
-    on the last (`embedding`, `head`)."""
+    on the last (`embedding`, `head`); only the layers are recomputed."""
     tokens = micro_batch * seq_len
     size = tokens * hidden * bytes_per_element
-    phases = {name: defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
-              for name in ("forward", "backward", "finish", "clip")}
+    phases = {name: defaultdict(lambda: {"calls": 0, "payload_bytes": 0}) for name in PHASES}
 
     def add(phase, op, calls, payload):
         phases[phase][op]["calls"] += calls
         phases[phase][op]["payload_bytes"] += payload
 
-    for phase, ops in layer_comm(tokens, hidden, sequence_parallel, bytes_per_element).items():
+    for phase, ops in layer_comm(tokens, hidden, sequence_parallel, bytes_per_element, recompute).items():
         for op, (calls, payload) in ops.items():
             add(phase, op, n_layers * calls * microbatches, n_layers * payload * microbatches)
     for _ in range(microbatches):
@@ -104,7 +135,7 @@ def total(phases: dict, tp: int) -> dict:
 
 def step_cost(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, sequence_parallel: bool = False,
               micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
-              vocab: int | None = None) -> dict:
+              vocab: int | None = None, recompute: str = "none") -> dict:
     """One optimizer step of one rank of a TP group of `tp` devices on `machine`: what it sends and
     what that costs beside its compute (the comm-counter widget shows this).
 
@@ -115,8 +146,14 @@ def step_cost(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, seq
     FLOPs on this rank), `compute_s` (at flops.TYPICAL_MFU of the machine's bf16 peak, the pace of a
     well-tuned run) and `ratio` = comm_s / compute_s. T = 1 has no group: nothing is sent.
     `model` is a preset (a CPU preset gets `vocab`, default the shipped corpus's); `seq_len`
-    replaces its context.
+    replaces its context. `recompute` ("none", "selective", "full") adds the recomputed forward's
+    collectives (`layer_comm`) and its FLOPs (`planner.recompute_flops_per_token`: under "full" a
+    layer's forward again, 1/3 of the layer's training FLOPs, so 4/3 of its compute against 3/2 of
+    its TP traffic); the recomputed FLOPs run at the same fraction of the peak as the others.
     """
+    from .planner import recompute_flops_per_token  # planner imports this module
+
+    _check_recompute(recompute)
     cfg = preset_shape(model, vocab, seq_len=seq_len)
     if cfg.heads % tp:
         raise ValueError(f"{cfg.name} has {cfg.heads} heads: T must divide them, and {tp} does not")
@@ -124,14 +161,15 @@ def step_cost(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, seq
     m = MACHINES[machine]
     step = {} if tp == 1 else tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, micro_batch, microbatches=microbatches,
                                       sequence_parallel=sequence_parallel, bias=cfg.bias,
-                                      bytes_per_element=bytes_per_element)
+                                      bytes_per_element=bytes_per_element, recompute=recompute)
     phases = {phase: total({phase: ops}, tp) for phase, ops in step.items()}
     per_op = total(step, tp)
     # The alpha-beta time is linear in the bytes, so calls of different sizes cost what as many
     # calls of their mean size cost.
     comm_s = sum(c["calls"] * collective_time(op, "ring", c["payload_bytes"] / c["calls"], tp, alpha, 1 / (gbps * 1e9))
                  for op, c in per_op.items())
-    flops = training_flops_per_token(cfg) * micro_batch * cfg.seq_len * microbatches / tp
+    flops = ((training_flops_per_token(cfg) + recompute_flops_per_token(cfg, recompute))
+             * micro_batch * cfg.seq_len * microbatches / tp)
     compute_s = flops / (m.peak_tflops_bf16 * 1e12 * TYPICAL_MFU)
     return {"cfg": cfg, "phases": phases, "total": per_op, "alpha_s": alpha, "gbps": gbps,
             "crosses": tp > m.devices_per_node, "comm_s": comm_s, "flops": flops, "compute_s": compute_s,

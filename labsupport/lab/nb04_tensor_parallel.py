@@ -433,9 +433,10 @@ WHY = {
                    "gradient norm, for clipping: 1."),
     "sp_wire": ("Each of the layers' all-reduces of b x s x h, and the LM head's f, became a reduce-scatter plus an "
                 "all-gather of the same buffer: the same 2 (T-1)/T per byte. The embedding's did not: it still "
-                "all-reduces its rows, then keeps its s/T positions (one of tp + SP's five all-reduces above, beside "
-                "the loss's two, the gradient norm's and the one below). On top: in backward, each column-parallel "
-                "layer (q/k/v, the MLP's first, the LM head) all-gathers its input again, half an all-reduce each, "
+                "all-reduces its rows, then keeps its s/T positions (one of the five all-reduces in tp + SP's counts "
+                "below; the loss's two, the gradient norm's and the one last in this list are the others). On top: in "
+                "backward, each column-parallel layer (q/k/v, the MLP's first, the LM head) all-gathers its input "
+                "again, half an all-reduce each, "
                 "which buys storing s/T positions; the all-gather of the positions the embedding scattered; and one "
                 "all-reduce per step of the LayerNorm and bias gradients (each rank saw only its positions, so each "
                 "holds a partial sum)."),
@@ -444,5 +445,6 @@ WHY = {
                    "steps instead of 14, each at the assumed 10 us instead of 5). The factor is an estimate: its "
                    "bandwidth term, priced at the bound, overstates what crossing costs, and its latency term rests "
                    "on assumed latencies. Meanwhile each rank's compute halves: the ratio of communication to "
-                   "compute gets more than eight times worse."),
+                   "compute gets more than eight times worse. Recomputation changes neither factor: it adds its half "
+                   "to the traffic and its third to the compute at every T alike."),
 }

@@ -26,20 +26,21 @@ from .memory import preset_label
 from ..estimate.flops import TYPICAL_MFU
 from ..estimate.machines import MACHINES
 from ..estimate.shapes import PRESETS, preset_shape
-from ..estimate.tp_comm import step_cost
+from ..estimate.memory import RECOMPUTE
+from ..estimate.tp_comm import PHASES, step_cost
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
 BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype
-PHASES = ("forward", "backward", "finish", "clip")  # tp_comm's phases, in the order a step runs them
-PHASE_LABELS = {"forward": "forward", "backward": "backward",
+PHASE_LABELS = {"forward": "forward", "recompute": "recompute (forward again)", "backward": "backward",
                 "finish": "finish (SP: LayerNorm and bias gradients)", "clip": "clip (gradient norm)"}
-COLORS = {"forward": "#4C72B0", "backward": "#55A868", "finish": "#CCB974", "clip": "#8172B2"}
+COLORS = {"forward": "#4C72B0", "recompute": "#64B5CD", "backward": "#55A868", "finish": "#CCB974",
+          "clip": "#8172B2"}
 # The static figure fits JupyterLab's output area beside a 1280-px-wide window with the file browser open
 # (about 800 px at the stored figures' 100 dpi); the byte axis ends above the tallest bar.
 FIGSIZE = (7.4, 3.9)
 HEADROOM = 1.12
 RUN_KEYS = ("model", "seq_len", "vocab", "tp", "sequence_parallel", "micro_batch", "microbatches",
-            "bytes_per_element")  # what a run's counts depend on: the widget must match them to compare
+            "bytes_per_element", "recompute")  # what a run's counts depend on: the widget must match them to compare
 
 
 def tp_choices(heads: int) -> list[int]:
@@ -58,7 +59,8 @@ def format_time(seconds: float) -> str:
 def from_run(summary: dict) -> tuple[dict, dict]:
     """(`step_cost`'s keywords for a run, what its rank 0 counted in its last step: {op: calls,
     payload_bytes, wire_bytes}) from a `labsupport.train.run(...)` result or `labsupport train --json`.
-    The counts are the run's TP group's (`comm_groups`), so data-parallel traffic stays out."""
+    The counts are the run's TP group's (`comm_groups`), so data-parallel traffic stays out;
+    `labsupport.train` keeps every activation (recompute "none")."""
     shape, parallel = summary["model"], summary["parallel"]
     if shape["name"] not in PRESETS:
         raise ValueError(f"the run's model {shape['name']!r} is not a preset: the widget offers only presets")
@@ -68,12 +70,13 @@ def from_run(summary: dict) -> tuple[dict, dict]:
     settings = dict(model=shape["name"], seq_len=shape["seq_len"], vocab=shape["vocab"], tp=parallel["tp"],
                     sequence_parallel=parallel["sequence_parallel"], micro_batch=micro,
                     microbatches=summary["global_batch"] // (parallel["dp"] * micro),
-                    bytes_per_element=BYTES[summary["dtype"]])
+                    bytes_per_element=BYTES[summary["dtype"]], recompute="none")
     return settings, summary["comm_groups"][0].get("tp", {})
 
 
-def _title(model: str, tp: int, sequence_parallel: bool = False) -> str:
-    return f"{model}, T = {tp}" + (", sequence parallel" if sequence_parallel else "")
+def _title(model: str, tp: int, sequence_parallel: bool = False, recompute: str = "none") -> str:
+    return (f"{model}, T = {tp}" + (", sequence parallel" if sequence_parallel else "")
+            + ("" if recompute == "none" else f", {recompute} recomputation"))
 
 
 def _figure(pred: dict, machine: str, counted: dict | None, title: str):
@@ -114,7 +117,9 @@ def _figure(pred: dict, machine: str, counted: dict | None, title: str):
 
     seconds = [pred["comm_s"], pred["compute_s"]]
     times.barh([1, 0], seconds, color=["#C44E52" if pred["crosses"] else "#DD8452", "#4C72B0"])
-    times.set_yticks([1, 0], ["TP\ncommunication", f"compute\n({TYPICAL_MFU:.0%} MFU)"])  # two lines: room for the title
+    # "of peak", not "MFU": under recomputation the device also executes the recomputed forward's FLOPs,
+    # so 40 % of peak is the hardware's utilization, and the model's FLOPs use less of it.
+    times.set_yticks([1, 0], ["TP\ncommunication", f"compute\n({TYPICAL_MFU:.0%} of peak)"])  # two lines: room for the title
     for y, s in zip([1, 0], seconds):
         times.annotate(format_time(s), (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     times.set_xlim(0, max(seconds) * 1.3)
@@ -131,7 +136,8 @@ def comm_figure(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, c
     """A static Figure of one step's TP traffic and its cost: `comm_figure("22b", 16, "Frontier (MI250X GCD)")`.
     Other keywords are `step_cost`'s; `counted` ({op: calls, payload_bytes, wire_bytes}) is drawn beside."""
     pred = step_cost(model, tp, machine, **options)
-    return _figure(pred, machine, counted, title or _title(model, tp, options.get("sequence_parallel", False)))
+    return _figure(pred, machine, counted, title or _title(model, tp, options.get("sequence_parallel", False),
+                                                           options.get("recompute", "none")))
 
 
 def scaling_figure(ratios: dict[str, dict[int, float]], devices_per_node: int = 8, title: str = ""):
@@ -163,7 +169,7 @@ def scaling_figure(ratios: dict[str, dict[int, float]], devices_per_node: int = 
 
 
 class CommCounterWidget:
-    """Controls for a model, T, sequence parallelism, the batch, the element size and a machine;
+    """Controls for a model, T, sequence parallelism, the batch, the element size, recomputation and a machine;
     shows one step's tensor-parallel collectives (table and bars) and their time beside the compute.
 
     `CommCounterWidget("22b", tp=8)` in a notebook cell displays it. Its state is inspectable
@@ -176,11 +182,12 @@ class CommCounterWidget:
 
     def __init__(self, model: str = "22b", *, tp: int = 8, machine: str = "DGX H100", sequence_parallel: bool = False,
                  micro_batch: int = 1, microbatches: int = 1, bytes_per_element: int = 2, seq_len: int | None = None,
-                 vocab: int | None = None, measured: dict | None = None):
+                 vocab: int | None = None, recompute: str = "none", measured: dict | None = None):
         import ipywidgets as W
 
         settings = dict(model=model, seq_len=seq_len, vocab=vocab, tp=tp, sequence_parallel=sequence_parallel,
-                        micro_batch=micro_batch, microbatches=microbatches, bytes_per_element=bytes_per_element)
+                        micro_batch=micro_batch, microbatches=microbatches, bytes_per_element=bytes_per_element,
+                        recompute=recompute)
         self.counted = measured
         if measured is not None and "comm_groups" in measured:
             settings, self.counted = from_run(measured)
@@ -209,6 +216,8 @@ class CommCounterWidget:
             "bytes_per_element": W.Dropdown(options=[("bf16 (2 bytes)", 2), ("fp32 (4 bytes)", 4)],
                                             value=settings["bytes_per_element"], description="activations",
                                             style=style, layout=narrow),
+            "recompute": W.Dropdown(options=list(RECOMPUTE), value=settings["recompute"], description="recomputation",
+                                    style=style, layout=narrow),
             "machine": W.Dropdown(options=list(MACHINES), value=machine, description="machine", style=style,
                                   layout=narrow),
         }
@@ -291,8 +300,8 @@ class CommCounterWidget:
         if not self.matches_run():
             return (f"(The run's counts belong to {run['model']}, T = {run['tp']}, sequence parallel "
                     f"{'on' if run['sequence_parallel'] else 'off'}, micro-batch {run['micro_batch']} x "
-                    f"{run['microbatches']}, {run['bytes_per_element']} bytes per element: set the controls back to "
-                    "compare.)")
+                    f"{run['microbatches']}, {run['bytes_per_element']} bytes per element, recomputation "
+                    f"{run['recompute']}: set the controls back to compare.)")
         same = self.counted == self.prediction["total"]
         return ("Counted in the run: " + ", ".join(f"{op} {c['calls']} calls, {format_bytes(c['wire_bytes'])} on the wire"
                                                     for op, c in sorted(self.counted.items()))
@@ -327,7 +336,7 @@ class CommCounterWidget:
         """A static Figure of what the widget shows now: the stand-in for `show(widget, figure)`."""
         o = self.options()
         return _figure(self.prediction, o["machine"], self.counted if self.matches_run() else None,
-                       _title(o["model"], o["tp"], o["sequence_parallel"]))
+                       _title(o["model"], o["tp"], o["sequence_parallel"], o["recompute"]))
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
