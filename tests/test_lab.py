@@ -678,6 +678,31 @@ def test_the_rank_order_labs_shipped_cell_numbers_in_shipped_order():
         assert [namespace["place_rank"](*c, dp, pp, tp) for c in coords] == list(range(dp * pp * tp))
 
 
+def test_the_rank_grid_under_the_rank_order_lab_is_locked_until_the_lab_is_earned(monkeypatch, capsys):
+    """Mesh's rank table, its figure, the traffic in both orders and the widget each show the order place_rank asks
+    for: until the lab is solved (or its solution shown) the cell under it prints one locked line; the stored copy
+    shows them all. The run's counters are checked either way."""
+    from labsupport.lab.nb06_3d_parallelism import rank_grid
+    ops = {"all_reduce": {"calls": 1, "payload_bytes": 8, "wire_bytes": 8}}
+    traffic = {"parallel": {"dp": 2, "tp": 2, "pp": 2}, "comm_groups": [{"tp": ops, "pp": ops, "dp": ops}] * 8}
+    lab = ex.get("place_rank")
+    for env in ("LABSUPPORT_STORED_COPY", "LABSUPPORT_SOLUTIONS"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(lab, "status", ex.BUGGY)
+    monkeypatch.setattr(lab, "earned", False)
+    rank_grid(traffic)
+    out = capsys.readouterr().out
+    assert out.startswith("🔒 (locked)") and out.count("\n") == 1 and "lab.solution('place_rank')" in out, out
+    assert not any(word in out for word in ("fastest", "(d, p, t)", "tp, pp, dp", "dp, pp, tp")), out
+    for unlock in (lambda: monkeypatch.setattr(lab, "earned", True),
+                   lambda: (monkeypatch.setattr(lab, "earned", False), monkeypatch.setenv("LABSUPPORT_STORED_COPY", "1"))):
+        unlock()
+        rank_grid(traffic)
+        out = capsys.readouterr().out
+        assert "(0, 0, 1)   [0, 1]" in out and "order tp, pp, dp (fastest first)" in out and "locked" not in out, out
+        assert "order dp, pp, tp (fastest first): bytes crossing nodes per step: tp 64, pp 0, dp 0" in out, out
+
+
 # ---------------------------------------------------------------- notebook 07: context and experts
 
 MERGE_WRONG = [

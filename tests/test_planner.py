@@ -102,7 +102,7 @@ def test_workshop_175b_megatron_arguments_are_the_forks_flags():
 def test_megatron_environment_exports_max_connections_and_says_the_command_does_not_need_it():
     """CUDA_DEVICE_MAX_CONNECTIONS=1 wherever TP > 1 and on Frontier (every workshop script exports it), with the one
     account workshop.Script.max_connections gives a --deepspeed script: the fork turns its asynchronous TP all-reduce
-    off there, so the variable orders nothing and is not required; on Frontier, HIP's own variable and the Part III
+    off there, so nothing in the fork relies on the order it gives and the fork does not require it; on Frontier, HIP's own variable and the Part III
     deck's porting steps as comments."""
     cfg = PRESETS["175b"]
     tp4 = evaluate(cfg, FRONTIER, 128, 640, dp=2, tp=4, pp=16, micro_batch=1, zero=1, recompute="full")
@@ -116,7 +116,10 @@ def test_megatron_environment_exports_max_connections_and_says_the_command_does_
     said = " ".join(line.removeprefix("# ") for line in megatron_environment(tp4, frontier=True))
     flags = megatron_arguments(tp4, cfg, 640)
     assert "--deepspeed" in flags and "--sequence-parallel" not in flags
-    assert "turns the asynchronous all-reduce off" in said and "orders nothing and is not required" in said, said
+    assert "turns the asynchronous all-reduce off" in said and "orders nothing" not in said, said
+    assert "nothing in the fork relies on the order, and the fork does not require the variable" in said, said
+    assert '"In the launch script we had to set: export CUDA_DEVICE_MAX_CONNECTIONS=1"' in said, said   # the deck
+    assert "runs without --deepspeed, and runs with --sequence-parallel at TP > 1" in said, said      # when "had to" holds
     assert "overlap" not in said and "GPU_MAX_HW_QUEUES" in said
     assert "GPU_MAX_HW_QUEUES" not in " ".join(megatron_environment(tp4))   # HIP's variable is named on Frontier
     porting = " ".join(megatron_environment(tp1, frontier=True))
@@ -143,6 +146,22 @@ def test_tp_beyond_a_node_is_penalized(machine, cfg, gpus, batch):
     assert best.tp <= machine.devices_per_node
     assert tp16.step_time_s > 2 * best.step_time_s
     assert "TP 16 crosses nodes of 8 GPUs" in why(tp16, cfg, machine, gpus, batch)[1]
+
+
+@pytest.mark.parametrize("tp, where", [(4, "stays inside a node"), (16, "crosses nodes of 8 GPUs")])
+def test_why_counts_six_tp_all_reduces_under_full_recomputation(tp, where):
+    """Megatron's 2 all-reduces forward and 2 backward per layer and micro-batch; full recomputation runs the
+    forward's 2 again, so `why` says 6 where the planner prices 6 (its TP time 1.5x that of selective)."""
+    cfg = PRESETS["175b"]
+    said, seconds = {}, {}
+    for recompute in ("selective", "full"):
+        c = evaluate(cfg, FRONTIER, 1024, 8000, dp=1024 // (tp * 16), tp=tp, pp=16, micro_batch=1, zero=1,
+                     recompute=recompute)
+        said[recompute] = next(line for line in why(c, cfg, FRONTIER, 1024, 8000) if line.startswith(f"TP {tp} {where}"))
+        seconds[recompute] = c.tp_comm_s
+    assert "all-reduces, 4 per layer and micro-batch," in said["selective"], said
+    assert "all-reduces, 6 per layer and micro-batch, the recomputed forward's 2 included," in said["full"], said
+    assert seconds["full"] == pytest.approx(1.5 * seconds["selective"])
 
 
 def test_step_time_parts_by_hand():

@@ -102,17 +102,25 @@ def test_the_part_ii_srun_scripts_are_read_flag_for_flag():
 
 
 def test_one_account_of_cuda_device_max_connections_per_script():
-    """The fork turns the asynchronous TP all-reduce off under --deepspeed: the FA2 scripts and Part II's 22B pass it,
-    so there the variable orders nothing; the Part II srun scripts for 175B and 1T do not, and there the fork's
-    validate_args refuses to start without it. Every script exports it."""
-    by_path = {s.path: (s.deepspeed, s.async_tp_allreduce, s.requires_max_connections) for s in ALL_SCRIPTS}
-    assert by_path == {"launch_gpt22b_bf16.slurm": (True, False, False), "launch_gpt175b_bf16.slurm": (True, False, False),
-                       "launch_gpt1T_bf16.slurm": (True, False, False), "launch_gpt22b_srun.frontier": (True, False, False),
-                       "launch_gpt175b_srun.frontier": (False, True, True), "launch_gpt1T_srun.frontier": (False, True, True)}
-    assert all(s.exports_max_connections for s in ALL_SCRIPTS)
+    """The fork turns the asynchronous TP all-reduce off under --deepspeed: the FA2 scripts, Part II's 22B and its
+    launch_gpt_srun.frontier, and the DeepHyper search's samples pass it, so there nothing relies on the variable;
+    the Part II srun scripts for 175B and 1T do not, and there the fork's validate_args refuses to start without it
+    (would refuse, for the 175B one, whose pretrain_gpt_owt3.py neither repository holds). Every script exports it."""
+    by_path = {(s.path, s.where): (s.deepspeed, s.async_tp_allreduce, s.requires_max_connections) for s in ALL_SCRIPTS}
+    off, on = (True, False, False), (False, True, True)
+    assert by_path == {("launch_gpt22b_bf16.slurm", "FA2"): off, ("launch_gpt175b_bf16.slurm", "FA2"): off,
+                       ("launch_gpt1T_bf16.slurm", "FA2"): off, ("launch_gpt_srun.frontier", "FA2"): off,
+                       ("launch_gpt22b_srun.frontier", "Part II"): off, ("launch_gpt_srun.frontier", "Part II"): off,
+                       ("launch_gpt175b_srun.frontier", "Part II"): on, ("launch_gpt1T_srun.frontier", "Part II"): on,
+                       ("launch_dh.frontier", "frontier-sd"): off}
+    assert len(ALL_SCRIPTS) == len(by_path) == 9 and all(s.exports_max_connections for s in ALL_SCRIPTS)
     for s in ALL_SCRIPTS:
         said = s.max_connections()
-        assert ("orders nothing" in said) == s.deepspeed and ("refuses to start" in said) == s.requires_max_connections
+        assert ("nothing in the fork relies on the order" in said) == s.deepspeed, said
+        assert ("orders nothing" not in said and bool(re.search(r"refuses? to start", said)) == s.requires_max_connections)
+        assert ("would refuse" in said) == (not s.entry_in_repository), said
+        assert ("the LM head" in said) == s.async_tp_allreduce, said
+    assert [s.path for s in ALL_SCRIPTS if not s.entry_in_repository] == ["launch_gpt175b_srun.frontier"]
 
 
 def test_the_measured_throughputs_are_the_papers():

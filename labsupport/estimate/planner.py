@@ -18,7 +18,7 @@ CP group spans tp x cp ranks (Megatron-LM's context parallelism pairs each GPU w
 counterparts in other TP groups"), a pipeline tp x cp x pp ranks, a DP group all of them. A
 group whose ranks fit in one node talks over the node's links, else over the network
 (`group_link`). So TP beyond a node pays the network for its four all-reduces per layer and
-micro-batch, and the planner reproduces Narayanan's guidance
+micro-batch (six with full recomputation), and the planner reproduces Narayanan's guidance
 (Sec. 3.2 and 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
 only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) many more
 micro-batches than stages. Only the 1F1B schedule is planned; nothing overlaps communication
@@ -410,12 +410,17 @@ def why(c: Config, cfg, machine: Machine, gpus: int, global_batch: int, precisio
     lines = [f"{describe(c)}: {_gb(c.memory_per_gpu)} of {_gb(usable_bytes(machine))} usable per GPU; "
              f"step {total:.3g} s (compute {c.compute_s / total:.0%}, TP {c.tp_comm_s / total:.0%}, {ring}"
              f"PP sends {c.pp_comm_s / total:.0%}, DP sync {c.dp_comm_s / total:.0%}, bubble {c.bubble_s / total:.0%})."]
+    # Megatron's 2 all-reduces forward and 2 backward per layer and micro-batch; full recomputation runs the
+    # forward's 2 again in the backward pass (evaluate's `forward_passes`).
+    all_reduces = 6 if c.recompute == "full" else 4
+    counted = f"{all_reduces} per layer and micro-batch" + (", the recomputed forward's 2 included" if c.recompute == "full"
+                                                            else "")
     if node % c.tp:
-        lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, 4 per layer and micro-batch, are priced at "
+        lines.append(f"TP {c.tp} crosses nodes of {node} GPUs: its all-reduces, {counted}, are priced at "
                      f"the {machine.inter_gbps:g} GB/s network figure (a pessimistic bound) instead of the node's "
                      f"{machine.intra_gbps:g} GB/s links.")
     elif c.tp > 1:
-        lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its 4 all-reduces per layer and micro-batch use "
+        lines.append(f"TP {c.tp} stays inside a node ({node} GPUs): its all-reduces, {counted}, use "
                      f"the node's {machine.intra_gbps:g} GB/s links (Narayanan et al. 2021, Sec. 3.2, takeaway #1).")
     if c.cp > 1:
         where = "inside a node" if node % (c.tp * c.cp) == 0 else "across nodes"
@@ -538,30 +543,37 @@ FRONTIER_PORTING = [
 def megatron_environment(c: Config, frontier: bool = False) -> list[str]:
     """The launch script's lines before Megatron-DeepSpeed runs layout `c`: comments and exports.
 
-    CUDA_DEVICE_MAX_CONNECTIONS=1 leaves the GPU one hardware queue per process, so kernels start in
-    the order they are issued. The fork relies on that only for its asynchronous TP all-reduce (a
-    column-parallel layer's backward starts the all-reduce of its input's gradient before the weight
-    gradient's GEMM) and for sequence parallelism, and refuses to start without it in those cases
-    (workshop.MAX_CONNECTIONS_CHECK). `megatron_arguments` passes --deepspeed and no
-    --sequence-parallel, and under --deepspeed the fork turns the asynchronous all-reduce off: for
-    this command the variable orders nothing and is not required. It is exported anyway where TP > 1
-    and on Frontier, as every workshop script exports it (workshop.SCRIPTS) and the deck lists it
-    among the porting steps, so that the script still starts with --sequence-parallel or without
-    --deepspeed (the Part II srun scripts for 175B and 1T, which need it). On Frontier the comment
-    also names HIP's own setting for hardware queues (workshop.ROCM_HW_QUEUES), which no workshop
-    script sets.
+    CUDA_DEVICE_MAX_CONNECTIONS=1 puts all of a process's streams on one hardware queue per GPU, so
+    its kernels start in the order they are issued. The Part III deck lists it among the porting steps:
+    "In the launch script we had to set: export CUDA_DEVICE_MAX_CONNECTIONS=1". "Had to" holds where
+    the fork requires it: it relies on that order only for its asynchronous TP all-reduce (a
+    column-parallel layer's or the LM head's backward starts the all-reduce of its input's gradient
+    before the weight gradient's GEMM) and for sequence parallelism, and refuses to start without the
+    variable in those cases (workshop.MAX_CONNECTIONS_CHECK): runs without --deepspeed, and runs with
+    --sequence-parallel at TP > 1. `megatron_arguments` passes --deepspeed and no --sequence-parallel,
+    and under --deepspeed the fork turns the asynchronous all-reduce off: for this command nothing in the
+    fork relies on the order, and the fork does not require the variable (where the GPU runtime honours
+    it, it still puts the streams on one queue). It is exported anyway where TP > 1 and on Frontier, as
+    every workshop script exports it (workshop.SCRIPTS), so that the script still starts with
+    --sequence-parallel or without --deepspeed (the Part II srun scripts for 175B and 1T, which need it).
+    On Frontier the comment also names HIP's own setting for hardware queues
+    (workshop.ROCM_HW_QUEUES), which no workshop script sets.
     """
     from .workshop import MAX_CONNECTIONS_CHECK, ROCM_HW_QUEUES
 
     lines = FRONTIER_PORTING[:] if frontier else []
     if c.tp > 1 or frontier:
-        lines += ["# CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue, so kernels start in the order they are",
-                  "# issued. The fork relies on that order only for its asynchronous TP all-reduce and for",
-                  "# sequence parallelism, and refuses to start without the variable in those cases",
-                  f"# ({MAX_CONNECTIONS_CHECK}). This command passes --deepspeed, under which the fork",
-                  "# turns the asynchronous all-reduce off, and no --sequence-parallel: here the variable",
-                  "# orders nothing and is not required. It stays, as in every workshop script, so that the",
-                  "# script still starts with --sequence-parallel or without --deepspeed."]
+        lines += ["# CUDA_DEVICE_MAX_CONNECTIONS=1: all of the process's streams on one hardware queue, so its",
+                  "# kernels start in the order they are issued. The Part III deck: \"In the launch script we",
+                  "# had to set: export CUDA_DEVICE_MAX_CONNECTIONS=1\". The fork needs that order only for its",
+                  "# asynchronous TP all-reduce and for sequence parallelism, and refuses to start without",
+                  f"# the variable in those cases ({MAX_CONNECTIONS_CHECK}): runs without",
+                  "# --deepspeed, and runs with --sequence-parallel at TP > 1. This command passes --deepspeed,",
+                  "# under which the fork turns the asynchronous all-reduce off, and no --sequence-parallel:",
+                  "# nothing in the fork relies on the order, and the fork does not require the variable",
+                  "# (where the runtime honours it, it still puts the streams on one queue). It stays, as in",
+                  "# every workshop script, so that the script still starts with --sequence-parallel or",
+                  "# without --deepspeed."]
         if frontier:
             lines += [f"# On ROCm, HIP's own setting for its hardware queues per device is {ROCM_HW_QUEUES},",
                       "# which none of the workshop's scripts sets."]

@@ -8,12 +8,13 @@ it comes from, in the source's own words where it has some:
             Table V (the DeepHyper search space), Table VI (the chosen layouts), Fig. 12 and 13
             (weak and strong scaling), the energy estimates and the "Hands On" slides.
   FORK      the deck's hands-on repository, sajal-vt/Megatron-DeepSpeed-ORNL, branch FA2 (the deck:
-            "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs;
-            its branch frontier-sd (531936f) for the DeepHyper hands-on, `launch_dh.frontier`.
+            "git switch FA2") at 03325d4: the `launch_gpt*_bf16.slurm` scripts and their DeepSpeed configs,
+            and beside them a `launch_gpt_srun.frontier` no deck names; its branch frontier-sd (531936f)
+            for the DeepHyper hands-on, `launch_dh.frontier` and `dh_utils.py`.
   PART_II   olcf/ai-training-series at e6452a3, ai_at_scale_part_2/megatron_examples/Megatron-DeepSpeed-ORNL:
             the Part II deck's 3D hands-on, `sbatch launch_gpt22b_srun.frontier`, and beside it
-            `launch_gpt175b_srun.frontier` and `launch_gpt1T_srun.frontier` (the same files as on the
-            fork's frontier-sd branch, 531936f), which no deck names.
+            `launch_gpt175b_srun.frontier`, `launch_gpt1T_srun.frontier` and `launch_gpt_srun.frontier`
+            (the same files as on the fork's frontier-sd branch, 531936f), which no deck names.
   DASH_2023 the paper itself (arXiv:2312.12705), for the throughput it measured, which the deck's Fig. 11
             plots without readable numbers.
 
@@ -120,8 +121,59 @@ DEEPHYPER_HANDS_ON = dict(source=FORK_SD, nodes=8, gpus_per_sample=32, tp=(1, 2,
                           objective="TFLOPs")
 
 
+# The three places the workshop's Megatron launch scripts live, by a short name.
+SOURCE_NAMES = {FORK: "FA2", FORK_SD: "frontier-sd", PART_II: "Part II"}
+
+
+class _MaxConnections:
+    """What `export CUDA_DEVICE_MAX_CONNECTIONS=1` does for a launch, from the flags the fork's `validate_args` reads
+    (MAX_CONNECTIONS_CHECK). Needs `tp` (a size, or the sizes a search samples), `deepspeed`, `entry`,
+    `entry_in_repository`, `exports_max_connections` and `source`."""
+
+    @property
+    def where(self) -> str:
+        return SOURCE_NAMES[self.source]
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return self.tp if isinstance(self.tp, tuple) else (self.tp,)
+
+    @property
+    def async_tp_allreduce(self) -> bool:
+        """Whether Megatron's asynchronous TP all-reduce runs (MAX_CONNECTIONS_CHECK): the fork turns it off
+        under --deepspeed, and a TP layer uses it only in a TP group of more than one rank."""
+        return not self.deepspeed and max(self.tp_sizes) > 1
+
+    @property
+    def requires_max_connections(self) -> bool:
+        """Whether the fork refuses (or, for a script that cannot start at all, would refuse) to start unless
+        CUDA_DEVICE_MAX_CONNECTIONS is 1: without --deepspeed the asynchronous all-reduce's flag keeps its default,
+        on, and `validate_args` checks the flag, whatever the TP size. None of the scripts passes
+        --sequence-parallel, the check's other case."""
+        return not self.deepspeed
+
+    def max_connections(self) -> str:
+        """One account of what `export CUDA_DEVICE_MAX_CONNECTIONS=1` does for this launch."""
+        exported = "exports it" if self.exports_max_connections else "does not export it"
+        if self.deepspeed:
+            return (f"--deepspeed: the fork turns the asynchronous TP all-reduce off, so nothing in the fork relies on "
+                    f"the order the variable gives, and the fork does not require it (where the runtime honours it, "
+                    f"it still puts the process's streams on one hardware queue); the script {exported}")
+        refuse = "refuses" if self.entry_in_repository else "would refuse"
+        unable = ("" if self.entry_in_repository else
+                  f" (this script cannot start at all: its {self.entry} is in neither repository)")
+        if self.async_tp_allreduce:
+            return (f"no --deepspeed, TP {self.tp}: the backward of each column-parallel layer (QKV, the MLP's first) "
+                    f"and of the LM head starts the all-reduce of its input's gradient and computes its weight's "
+                    f"gradient meanwhile, counting on one hardware queue to start the all-reduce first (for speed, not "
+                    f"correctness); the fork {refuse} to start unless the variable is 1{unable}, and the script "
+                    f"{exported}")
+        return (f"no --deepspeed, TP 1: no TP all-reduce to order, yet the fork {refuse} to start unless the variable "
+                f"is 1{unable}; the script {exported}")
+
+
 @dataclass(frozen=True)
-class Script:
+class Script(_MaxConnections):
     """A launch script the workshop ran, with what it passes to Megatron-DeepSpeed and DeepSpeed."""
 
     path: str                   # file, in `source`
@@ -144,8 +196,9 @@ class Script:
     notes: str = ""
     clip_grad: float = 1.0      # --clip-grad: Megatron's default, which both 22B scripts pass explicitly
     deepspeed: bool = True      # --deepspeed: the fork then runs DeepSpeed's engine and turns Megatron's async TP
-    #                             all-reduce off, so CUDA_DEVICE_MAX_CONNECTIONS=1 orders nothing there
+    #                             all-reduce off: nothing relies on CUDA_DEVICE_MAX_CONNECTIONS=1 there
     entry: str = "pretrain_gpt_deepspeed.py"   # the script srun starts
+    entry_in_repository: bool = True           # whether `source` holds `entry`
     exports_max_connections: bool = True       # `export CUDA_DEVICE_MAX_CONNECTIONS=1`: every script here has it
 
     def megatron_flags(self) -> list[str]:
@@ -171,33 +224,6 @@ class Script:
     @property
     def recompute(self) -> str:
         return _recompute(self.checkpoint_activations)
-
-    @property
-    def async_tp_allreduce(self) -> bool:
-        """Whether Megatron's asynchronous TP all-reduce runs (MAX_CONNECTIONS_CHECK): the fork turns it off
-        under --deepspeed, and a TP layer uses it only in a TP group of more than one rank."""
-        return not self.deepspeed and self.tp > 1
-
-    @property
-    def requires_max_connections(self) -> bool:
-        """Whether the fork refuses to start unless CUDA_DEVICE_MAX_CONNECTIONS is 1: without --deepspeed the
-        asynchronous all-reduce's flag keeps its default, on, and `validate_args` checks the flag, whatever the TP
-        size. None of the scripts passes --sequence-parallel, the check's other case."""
-        return not self.deepspeed
-
-    def max_connections(self) -> str:
-        """One account of what `export CUDA_DEVICE_MAX_CONNECTIONS=1` does for this script (MAX_CONNECTIONS_CHECK)."""
-        exported = "exports it" if self.exports_max_connections else "does not export it"
-        if self.deepspeed:
-            return (f"--deepspeed: the fork turns the asynchronous TP all-reduce off, so the variable orders nothing "
-                    f"and the fork does not require it; the script {exported}")
-        if self.async_tp_allreduce:
-            return (f"no --deepspeed, TP {self.tp}: the backward of each column-parallel layer (QKV, the MLP's first) "
-                    f"starts the all-reduce of its input's gradient and computes its weight's gradient meanwhile, "
-                    f"counting on one hardware queue to start the all-reduce first (for speed, not correctness); the "
-                    f"fork refuses to start unless the variable is 1, and the script {exported}")
-        return (f"no --deepspeed, TP 1: no TP all-reduce to order, yet the fork refuses to start unless the variable "
-                f"is 1; the script {exported}")
 
     def layout(self) -> dict:
         """The planner's keywords for this run (`planner.evaluate`'s, with dp). ZeRO on one
@@ -258,7 +284,7 @@ PART_II_SRUN = {
     "175b": Script("launch_gpt175b_srun.frontier", PART_II, "(no deck names it)", "175b", nodes=24, tp=8, pp=12,
                    heads=96, seq_len=2048, micro_batch=1, global_batch=12, zero=0, precision="fp16", ds_config=None,
                    ds_precision=None, flash_attention=None, checkpoint_activations=False, deepspeed=False,
-                   entry="pretrain_gpt_owt3.py",
+                   entry="pretrain_gpt_owt3.py", entry_in_repository=False,
                    notes="runs `python pretrain_gpt_owt3.py`, a file neither repository holds (PART_II at e6452a3, "
                          "FORK_SD at 531936f); its log names say 24N"),
     "1t": Script("launch_gpt1T_srun.frontier", PART_II, "(no deck names it)", "1t", nodes=64, tp=8, pp=64, heads=128,
@@ -267,8 +293,46 @@ PART_II_SRUN = {
                  entry="pretrain_gpt.py", notes="one pipeline of the whole 512 GCDs (TP 8 x PP 64), 8 micro-batches"),
 }
 
-# Every Megatron launch script of the workshop above, for what each does with CUDA_DEVICE_MAX_CONNECTIONS.
-SCRIPTS = (*HANDS_ON.values(), PART_II_22B, *PART_II_SRUN.values())
+
+
+@dataclass(frozen=True)
+class Launch(_MaxConnections):
+    """A launch of the workshop's Megatron-DeepSpeed that no deck's table describes and the planner is not compared
+    with: only what decides what CUDA_DEVICE_MAX_CONNECTIONS does, read from the file; the rest in `notes`."""
+
+    path: str
+    source: str
+    tp: int | tuple[int, ...]    # --tensor-model-parallel-size; a search's sampled sizes as a tuple
+    deepspeed: bool
+    notes: str
+    entry: str = "pretrain_gpt_deepspeed.py"
+    entry_in_repository: bool = True
+    exports_max_connections: bool = True
+
+
+OTHER_LAUNCHES = (
+    Launch("launch_gpt_srun.frontier", PART_II, tp=8, deepspeed=True,
+           notes="`#SBATCH -N 4`, TP 8 x PP 2, 24 layers of hidden size 2064 with 24 heads, micro-batch 2 (no "
+                 "--global-batch-size); `--deepspeed --zero-stage 0 --deepspeed_config ds_config.json` (a config that "
+                 "enables fp16 and sets no ZeRO stage), `--deepspeed-activation-checkpointing "
+                 "--checkpoint-activations`; no Megatron precision flag (its `--fp16` is commented out). The same file "
+                 "on FORK_SD."),
+    Launch("launch_gpt_srun.frontier", FORK, tp=1, deepspeed=True,
+           notes="`#SBATCH -N 1`, TP 1 x PP 1, 24 layers of hidden size 2112 with 24 heads, micro-batch 1, global batch "
+                 "160, `--fp16 --deepspeed --deepspeed_config ds_config.json` (a file FORK at 03325d4 does not hold), "
+                 "`--checkpoint-activations`, `--use-flash-attn-v2`. Another file than PART_II's of the same name."),
+    Launch("launch_dh.frontier", FORK_SD, tp=(1, 2, 4, 8), deepspeed=True,
+           notes="exports the variable and runs `python main_dh_centralized.py`, which starts each sample with "
+                 "`subprocess` (so with this environment) as the srun command `dh_utils.py` writes: "
+                 "`pretrain_gpt_deepspeed.py ... --fp16 ... --deepspeed --deepspeed_config ds_config_<job>.json "
+                 "--deepspeed-activation-checkpointing --checkpoint-activations`, TP and PP sampled from 1, 2, 4, 8 "
+                 "(DEEPHYPER_HANDS_ON)."),
+)
+
+# Every Megatron launch script of the workshop, for what each does with CUDA_DEVICE_MAX_CONNECTIONS: the `launch_*`
+# files at the root of FORK and FORK_SD and in PART_II's directory (nine files: FORK_SD's three srun scripts are
+# PART_II's), the DeepHyper search's samples counted with `launch_dh.frontier`.
+SCRIPTS = (*HANDS_ON.values(), PART_II_22B, *PART_II_SRUN.values(), *OTHER_LAUNCHES)
 
 # Where the fork reads CUDA_DEVICE_MAX_CONNECTIONS: `validate_args` in megatron/arguments.py, the same lines at FORK
 # (03325d4, there inside `if not args.use_dataset_only:`), FORK_SD (531936f) and PART_II (e6452a3):
@@ -289,8 +353,13 @@ ROCM_HW_QUEUES = "GPU_MAX_HW_QUEUES"
 # DASH_2023, the abstract: "For 22 Billion, 175 Billion, and 1 Trillion parameters, we achieved GPU throughputs of
 # 38.38%, 36.14%, and 31.96%, respectively" (Fig. 11, "MI250X Throughput for various model sizes. We report the
 # hardware FLOPS, which are in close agreement with the model FLOPS"): fractions of a GCD's 16-bit peak, 191.5
-# TFLOP/s, so 73.5, 69.2 and 61.2 TFLOP/s per GCD. Hardware FLOPs count the recomputation, as the planner's
-# `tflops_per_gpu` does. The abstract does not say on which layout and GPU count each was measured.
+# TFLOP/s, so 73.5, 69.2 and 61.2 TFLOP/s per GCD. Hardware FLOPs count the recomputation: the TFLOPs the fork
+# logs (megatron/utils.py, `throughput_calculator`, the same at FORK, FORK_SD and PART_II) follow "Equation 3 in
+# Section 5.1" of Narayanan et al. 2021, 24 x factor x B s l h^2 (1 + s/6h + V/16lh) per step, where "The factor of 4
+# is when used with activation check-pointing, otherwise it will be 3" (4 also under --recompute-granularity
+# selective). The planner's `tflops_per_gpu` counts full recomputation the same way (its selective only the attention
+# core again), so Table VI's runs, with checkpoint-activations, compare with the planner's full recomputation. The
+# abstract does not say on which layout and GPU count each was measured.
 MEASURED_PEAK_FRACTION = {"22b": 0.3838, "175b": 0.3614, "1t": 0.3196}
 
 # "For 22B, 175B, and 1T parameter model, the estimated energy consumption is 284 Gigajoules, 17.65
@@ -306,7 +375,7 @@ DECK_IDLE_GCD_WATTS = 90.0
 # hold), `launch_gpt1T_srun.frontier` runs `pretrain_gpt.py`; both pass `--fp16`. Without `--deepspeed` the
 # fork's `megatron/arguments.py` leaves Megatron's asynchronous TP all-reduce on (its default;
 # `--no-async-tensor-model-parallel-allreduce` turns it off) and raises unless CUDA_DEVICE_MAX_CONNECTIONS is "1",
-# which both scripts export. Neither passes `--sequence-parallel`. (Every other script here, HANDS_ON's and
-# PART_II_22B, passes `--deepspeed`: `Script.deepspeed`.)
+# which both scripts export. Neither passes `--sequence-parallel`. (Every other script here, HANDS_ON's,
+# PART_II_22B and OTHER_LAUNCHES, passes `--deepspeed`: `Script.deepspeed`, `Launch.deepspeed`.)
 PART_II_WITHOUT_DEEPSPEED = {"launch_gpt175b_srun.frontier": dict(runs="pretrain_gpt_owt3.py", precision="fp16"),
                              "launch_gpt1T_srun.frontier": dict(runs="pretrain_gpt.py", precision="fp16")}

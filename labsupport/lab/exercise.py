@@ -28,8 +28,10 @@ What a lab teaches once it is solved (why the bug did what it did, what the exer
 `lesson`, written here in the lab module, never in the notebook: markdown and code stay in the
 attendee's copy, so text under a lab would be on screen while the attendee works on it. The lesson
 is printed under the ✔ line when the check passes, with the solution when the attendee asks for it,
-and by `lesson(name)` (a cell under the lab) from then on. A bug lab also names its `cause`: the
-phrases that give it away, which a test keeps out of the cells around the lab.
+and by `lesson(name)` (a cell under the lab) from then on. Where a lab's module shows more of what it
+teaches (a table, a figure), it asks `unlocked(name)` first and prints `locked(name, what)` until then.
+A bug lab also names its `cause`: the phrases that give it away, which a test keeps out of the cells
+around the lab.
 
 `hint(name)` gives the next hint, `solution(name)` shows the reference solution (and, in
 Jupyter, puts it into a new cell), `progress()` lists what is done. With LABSUPPORT_SOLUTIONS=1
@@ -216,18 +218,29 @@ def solution(name: str, load: bool = True) -> None:
 STORED = "LABSUPPORT_STORED_COPY"
 
 
+def unlocked(name: str) -> bool:
+    """Whether what exercise `name` teaches may be shown: the attendee has earned it (solved it, or asked for
+    the solution), or this is the reader's copy in notebooks/, executed by `make notebooks` with
+    LABSUPPORT_STORED_COPY=1 set, so that copy reads as a whole (or CI's run with the solutions)."""
+    ex = get(name)
+    return ex.earned or ex.status == SOLVED or os.environ.get(STORED, "") not in ("", "0") or solutions_mode()
+
+
+def locked(name: str, what: str = "") -> None:
+    """The line shown instead of what exercise `name` teaches (its lesson, or `what`) until `unlocked(name)`."""
+    shown, check = (what, f"{name}'s check") if what else (f"What {name} teaches", "its check")
+    print(wrap(f"🔒 (locked) {shown} appears here once {check} above passes, or after lab.solution({name!r})."))
+
+
 def lesson(name: str) -> None:
-    """Print what exercise `name` teaches, once the attendee has earned it (solved it, or asked for the
-    solution). The reader's copy in notebooks/ is executed by `make notebooks` with LABSUPPORT_STORED_COPY=1
-    set, and shows it there, so that copy reads as a whole."""
+    """Print what exercise `name` teaches, once it is `unlocked` (earned, or the stored copy); a locked line before."""
     ex = get(name)
     if not ex.lesson:
         raise KeyError(f"exercise {name!r} has no lesson")
-    if ex.earned or ex.status == SOLVED or os.environ.get(STORED, "") not in ("", "0") or solutions_mode():
+    if unlocked(name):
         print(wrap(ex.lesson))
     else:
-        print(wrap(f"🔒 (locked) What {name} teaches appears here once its check above passes, "
-                   f"or after lab.solution({name!r})."))
+        locked(name)
 
 
 def progress(notebook: str | None = None) -> None:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from ..estimate.memory import RECOMPUTE
 from ..estimate.workshop import HANDS_ON, PLANNER_PRECISION
-from .exercise import Exercise, Unsolved, Wrong, attempt, register
+from .exercise import Exercise, Unsolved, Wrong, attempt, locked, register, unlocked
 
 # (model preset, Frontier GCDs, global batch): each hands-on script's --global-batch-size on a node count
 # the notebook prints no layout for (22B on 6 nodes, 175B on 32, 1T on 256; the scripts run 2, 16 and 128),
@@ -310,6 +310,49 @@ def place_rank(d, p, t, dp, pp, tp):
     """TP fastest, then the pipeline stage, DP slowest (Mesh's order)."""
     return (d * pp + p) * tp + t
 '''))
+
+
+def rank_grid(traffic: dict, devices_per_node: int = 4) -> None:
+    """What place_rank's lab shows once it is `unlocked` (solved, its solution shown, or the stored copy): Mesh's
+    dp 2 x pp 2 x tp 2 grid rank by rank with each rank's three groups, its figure on nodes of `devices_per_node`,
+    the bytes of the run `traffic` (a `labsupport.train.run` summary of that grid) that would cross nodes in Mesh's
+    order and in SHIPPED_ORDER, and the rank-grid widget, set to SHIPPED_ORDER. Every one of them shows the order
+    the lab asks for, so until then one locked line stands in for them. The run's counters are checked either way:
+    in the shipped order all of TP's traffic crosses the nodes and none of the DP sync's."""
+    from IPython.display import display
+
+    from ..parallel.mesh import Mesh
+    from ..widgets.rank_grid import RankGridWidget, layout, rank_grid_figure, traffic_split
+    from ..widgets.show import show
+
+    mesh_order = layout(2, 2, 2, devices_per_node).order
+    splits = {order: traffic_split(layout(2, 2, 2, devices_per_node, order), traffic["comm_groups"])
+              for order in (mesh_order, SHIPPED_ORDER)}
+    shipped = splits[SHIPPED_ORDER]
+    assert shipped["tp"]["across"] > 0 and shipped["tp"]["inside"] == 0 and shipped["dp"]["across"] == 0, shipped
+    if not unlocked("place_rank"):
+        locked("place_rank", "The grid in Mesh's order, its figure, this run's traffic in both orders and the widget")
+        return
+    groups = layout(2, 2, 2, devices_per_node)
+    print("Mesh's 2 x 2 x 2 grid, rank by rank, with each rank's three groups:")
+    print(f"{'rank':>4}  (d, p, t)   {'TP group':<10}{'pipeline':<10}{'DP group':<10}")
+    for r in range(8):
+        mesh = Mesh(2, 2, 2, r)
+        print(f"{r:>4}  {str((mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)):<11} "
+              + "".join(f"{str(list(groups.group_of(axis, r).ranks)):<10}" for axis in ("tp", "pp", "dp")))
+    print(f"\nThe same grid on two nodes of {devices_per_node} devices, each rank in three bands, the colours of its TP, "
+          "PP and DP groups:")
+    display(rank_grid_figure(dp=2, tp=2, pp=2, devices_per_node=devices_per_node, colour_by="all"))
+    print("This run's counters re-placed: the same coordinates send the same bytes wherever they sit, only whether "
+          "they cross a node changes.")
+    for order, split in splits.items():
+        print(f"order {', '.join(order):<11}(fastest first): bytes crossing nodes per step: "
+              + ", ".join(f"{name} {s['across']:,}" for name, s in split.items()))
+    print("In the colleague's order every TP group straddles the two nodes and all of tensor parallelism's traffic "
+          "crosses them, while the DP sync, which could cross once a step, stays inside. The widget, set to the "
+          "colleague's order, compares any other:")
+    widget = RankGridWidget(traffic=traffic, devices_per_node=devices_per_node, order=SHIPPED_ORDER)
+    show(widget, widget.figure())
 
 
 # Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
