@@ -369,13 +369,3 @@ MEASURED_PEAK_FRACTION = {"22b": 0.3838, "175b": 0.3614, "1t": 0.3196}
 DECK_TRAINING_ENERGY_J = {"22b": 284e9, "175b": 17.65e12, "1t": 662e12}
 NOMINAL_PARAMS = {"22b": 22e9, "175b": 175e9, "1t": 1e12}      # the deck's names for the models
 DECK_IDLE_GCD_WATTS = 90.0
-
-# Part II's two other launch scripts, beside `launch_gpt22b_srun.frontier` (PART_II, at e6452a3), pass no
-# `--deepspeed`: `launch_gpt175b_srun.frontier` runs `pretrain_gpt_owt3.py` (a file the repository does not
-# hold), `launch_gpt1T_srun.frontier` runs `pretrain_gpt.py`; both pass `--fp16`. Without `--deepspeed` the
-# fork's `megatron/arguments.py` leaves Megatron's asynchronous TP all-reduce on (its default;
-# `--no-async-tensor-model-parallel-allreduce` turns it off) and raises unless CUDA_DEVICE_MAX_CONNECTIONS is "1",
-# which both scripts export. Neither passes `--sequence-parallel`. (Every other script here, HANDS_ON's,
-# PART_II_22B and OTHER_LAUNCHES, passes `--deepspeed`: `Script.deepspeed`, `Launch.deepspeed`.)
-PART_II_WITHOUT_DEEPSPEED = {"launch_gpt175b_srun.frontier": dict(runs="pretrain_gpt_owt3.py", precision="fp16"),
-                             "launch_gpt1T_srun.frontier": dict(runs="pretrain_gpt.py", precision="fp16")}
