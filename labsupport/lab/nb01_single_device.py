@@ -264,6 +264,7 @@ WHY = {
                      "compute and teaches the model nothing; "
                      "from GradScaler's default 65,536 a run usually skips none or a few."),
     "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
-                    "micro's matmuls are large enough for a CPU to come close to it. On a GPU this tiny model would "
-                    "reach a few percent (see below)."),
+                    "micro's matmuls are large enough for a CPU that runs nothing else to come close to it; on a "
+                    "shared machine the peak and the throughput both move with the other programs (section 7). On a "
+                    "GPU this tiny model would reach a few percent (see below)."),
 }

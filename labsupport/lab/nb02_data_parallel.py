@@ -220,8 +220,9 @@ WHY = {
     "bytes": ("4 bytes (fp32) for each of the {held:,} parameters the model holds (its {counted:,} and the rows that pad "
               "its vocabulary to a multiple of 64), in every mode: the modes differ in how many messages carry them "
               "and when, not in how much they carry."),
-    "hidden": ("The buckets start during backward, so much of their time lies under it; the last bucket (the first "
+    "hidden": ("The buckets start during backward, so part of their time can lie under it; the last bucket (the first "
                "layers' gradients) cannot. But read the line above it: hidden is not the same as free."),
     "speedup": ("Ideally 2x: twice the cores. Data parallelism does use the second core; what it loses is the "
-                "all-reduces, the waiting for the slower rank, and the cores shared with gloo's threads."),
+                "all-reduces, the waiting for the slower rank, and the cores shared with gloo's threads (and, on a "
+                "busy machine, with every other program)."),
 }
