@@ -138,9 +138,21 @@ def grade_accumulate(fn, source) -> str:
 register(Exercise(
     name="accumulate", notebook="01", title="Find the bug: gradient accumulation",
     grade=grade_accumulate, bug_lab=True,
-    hints=("Gradients of successive backward passes add up in .grad. What does the sum of 4 mean losses equal?",
+    cause=("sum of 4 mean losses", "sum of the 4 mean losses", "sum of the micro-batches' mean",
+           "divided by the number of micro-batches", "divide each micro-batch", "len(micro_batches)",
+           "4 times the mean"),
+    hints=("Gradients of successive backward passes add up in .grad. Which loss is the whole batch's gradient the "
+           "gradient of, and which losses does the loop differentiate?",
            "The whole batch's loss is the mean over all its sequences: each micro-batch's mean loss must be "
            "divided by the number of micro-batches before backward."),
+    lesson=("Each micro-batch's loss is already a mean over its own sequences, and the gradients of successive "
+            "backward passes add up in .grad: after 4 micro-batches .grad holds the gradient of the sum of 4 mean "
+            "losses, 4 times the mean that one pass over the whole batch differentiates. Dividing each micro-batch's "
+            "loss by the number of micro-batches before its backward makes the sum the mean (so does dividing the "
+            "gradients once after the last one). labsupport's loop does the former (`forward_backward` in "
+            "labsupport/parallel/strategy.py: `loss / len(batches)`). Under AdamW the losses could not show the "
+            "factor, since Adam divides by the root of its running mean of squared gradients; clipping at a fixed "
+            "norm, SGD, or a change in the number of micro-batches would."),
     solution='''
 from labsupport.model import lm_loss
 
@@ -203,10 +215,21 @@ def grade_fp16_step(fn, source) -> str:
 register(Exercise(
     name="fp16_step", notebook="01", title="Find the bug: an fp16 step that clips the scaled gradients",
     grade=grade_fp16_step, bug_lab=True,
+    cause=("unscale first", "unscale_ first", "unscale before", "before unscal", "before it unscales",
+           "clips the scaled", "scaled gradients", "clip by the true", "the clip measures the scaled"),
     hints=("After `scaler.scale(loss).backward()` every gradient is S times the true one. What does the clip "
            "measure, and which threshold does it compare that with?",
            "`scaler.unscale_(optimizer)` divides the gradients by S. The clip must see the true gradients: "
            "unscale first, then clip; `scaler.step` will not unscale twice."),
+    lesson=("After `scaler.scale(loss).backward()` every gradient is S times the true one, and the buggy step clipped "
+            "before `scaler.unscale_`: `clip_grad_norm_` measured and returned S times the true norm and compared "
+            "that with max_norm, so it clipped steps that needed no clipping and shrank the others S times more "
+            "than it should. Unscale first, then clip: `scaler.unscale_(optimizer)` divides the gradients by S "
+            "in place and `scaler.step` does not unscale a second time. labsupport's loop (`train_step` in "
+            "labsupport/train.py) keeps the same order for every strategy: backward from the scaled loss, make "
+            "the gradients global, unscale (the ranks agree on whether any of them overflowed), clip by the "
+            "true global norm, then step and update the scale. `tests/test_fp16.py` plants this very bug in the "
+            "loop and checks that the comparison with fp32 catches it."),
     solution='''
 import torch
 
@@ -241,6 +264,7 @@ WHY = {
                      "compute and teaches the model nothing; "
                      "from GradScaler's default 65,536 a run usually skips none or a few."),
     "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
-                    "micro's matmuls are large enough for a CPU to come close to it. On a GPU this tiny model would "
-                    "reach a few percent (see below)."),
+                    "micro's matmuls are large enough for a CPU that runs nothing else to come close to it; on a "
+                    "shared machine the peak and the throughput both move with the other programs (section 7). On a "
+                    "GPU this tiny model would reach a few percent (see below)."),
 }

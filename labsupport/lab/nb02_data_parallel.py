@@ -50,8 +50,8 @@ def _compare_grads(model, want: dict, rank: int, advise: bool = True) -> dict:
         if not bool((p.grad - want[name]).abs().max() <= 1e-5 * (1 + want[name].abs().max())):
             ratio = (p.grad.norm() / want[name].norm()).item()
             why = ""
-            if abs(ratio - RANKS) < 1e-3:
-                why = f": {RANKS}x, the sum over the ranks" + ("; average them (op='avg')" if advise else "")
+            if abs(ratio - RANKS) < 1e-3 and advise:  # a bug lab shows the symptom, not its cause
+                why = f": {RANKS}x, the sum over the ranks; average them (op='avg')"
             elif bool((p.grad - p.detach()).abs().max() < 1e-6):
                 why = ": it equals the weights" + (
                     ". The hook receives the parameter, not its gradient: read param.grad" if advise else "")
@@ -149,9 +149,19 @@ def grade_naive_ddp(fn, source) -> str:
 register(Exercise(
     name="register_hooks", notebook="02", ranks=RANKS, title="Find the bug: a naive DDP hook (from a real code base)",
     grade=grade_naive_ddp, bug_lab=True,
+    cause=("receives the parameter", "called with the parameter", "called with the *parameter*",
+           "hook with the parameter", "the parameter itself", "not its gradient", "averages the weights",
+           "all-reducing the parameter", "gradients stay local"),
     hints=("Print what the hook receives: its type, its shape, whether it has a .grad.",
            "register_post_accumulate_grad_hook calls the hook with the parameter, after its .grad is complete. "
            "All-reducing the parameter averages the weights, which are equal already; the gradients stay local."),
+    lesson=("`register_post_accumulate_grad_hook` calls its hook with the parameter itself, once its .grad is "
+            "complete (a tensor hook, `p.register_hook`, gets the gradient instead). All-reducing the parameter "
+            "averages the weights, which every rank holds alike already, so nothing changes there, and the "
+            "gradients stay local: each rank steps with the gradient of its own half of the batch, and the "
+            "replicas drift apart from the first step on. The fix is one word: all-reduce `param.grad`. Nothing "
+            "crashed because every rank still made the same all-reduces on tensors of the same shapes; only a "
+            "comparison of the gradients with one device's shows the bug."),
     solution='''
 def register_hooks(model):
     for p in model.parameters():
@@ -182,9 +192,19 @@ def grade_sync_gradients(fn, source) -> str:
 register(Exercise(
     name="sync_gradients", notebook="02", ranks=RANKS, title="Find the bug: losses agree, gradients don't",
     grade=grade_sync_gradients, bug_lab=True,
-    hints=("Compare the gradient norms of the two runs above, not only the losses.",
+    cause=("summed", "sum over the ranks", "sum of the ranks", "instead of averag", "rather than averag",
+           "not their sum", "mean of those means", "mean of the ranks' means", '"sum"', "op='avg'"),
+    hints=("Compare the gradient norms in the table above, not only the losses.",
            "Each rank's gradient is the mean over its share of the batch; the whole batch's gradient is the "
            "mean of those means, not their sum."),
+    lesson=("Each rank's gradient is the mean over its own share of the batch, and the whole batch's gradient is "
+            "the mean of those means (section 1): the all-reduce must average (op \"avg\", or \"sum\" followed by a "
+            "division by the world size). Summed over N ranks the gradients are N times too large, here 2x. "
+            "AdamW's update divides the first moment by the root of the second, so a constant factor on every "
+            "gradient leaves the steps, and the losses, almost as they were (only Adam's epsilon does not "
+            "scale): that is why the colleague's comparison of losses passed. Gradient clipping at a fixed norm, "
+            "SGD, a learning rate tuned on this code, or the same run on 8 ranks (8x) would show it; a check of "
+            "the gradients, as the runs of this notebook do, shows it at once."),
     solution='''
 def sync_gradients(model):
     for p in model.parameters():
@@ -197,10 +217,12 @@ def sync_gradients(model):
 # and not in the notebook's cell, which the attendee reads before predicting.
 WHY = {
     "calls": "One per parameter tensor: every weight, bias and LayerNorm vector is its own message.",
-    "bytes": ("4 bytes (fp32) per parameter, 817,024 x 4, in every mode: the modes differ in how many messages carry "
-              "them and when, not in how much they carry."),
-    "hidden": ("The buckets start during backward, so much of their time lies under it; the last bucket (the first "
+    "bytes": ("4 bytes (fp32) for each of the {held:,} parameters the model holds (its {counted:,} and the rows that pad "
+              "its vocabulary to a multiple of 64), in every mode: the modes differ in how many messages carry them "
+              "and when, not in how much they carry."),
+    "hidden": ("The buckets start during backward, so part of their time can lie under it; the last bucket (the first "
                "layers' gradients) cannot. But read the line above it: hidden is not the same as free."),
     "speedup": ("Ideally 2x: twice the cores. Data parallelism does use the second core; what it loses is the "
-                "all-reduces, the waiting for the slower rank, and the cores shared with gloo's threads."),
+                "all-reduces, the waiting for the slower rank, and the cores shared with gloo's threads (and, on a "
+                "busy machine, with every other program)."),
 }

@@ -277,12 +277,22 @@ def grade_clip_sharded(fn, source) -> str:
 register(Exercise(
     name="clip_sharded_", notebook="03", ranks=RANKS, title="Find the bug: clipping a sharded gradient",
     grade=grade_clip_sharded, bug_lab=True,
-    cause=("norm of whatever", "shard's norm", "its own norm", "squared gradient norm", "single number"),
+    cause=("norm of whatever", "shard's norm", "its own norm", "squared gradient norm", "single number",
+           "local norm", "sum of the shards' squared", "8 bytes", "8-byte"),
     hints=("Look at the norm: compare the one rank 0 returns with the whole gradient's, which the message prints.",
            "Each rank measures only its shard, so each clips by a factor of its own: the update no longer points "
            "along the gradient, and its norm is not max_norm.",
            "The whole gradient's squared norm is the sum of the shards' squared norms: all-reduce the sum of "
            "squares (comm.all_reduce(total, 'sum')), then take the root. Every rank then uses the same scale."),
+    lesson=("Each rank measured the norm of its own shard only and clipped by a factor of its own. Nothing crashes and "
+            "the loss still goes down, so this bug survives for a long time: the update no longer points along the "
+            "gradient (each shard is scaled by its own factor), and the clipped gradient's norm is not `max_norm`: "
+            "each rank brings its shard down to norm 1, so here the whole clipped gradient has norm sqrt(2). With a "
+            "large `max_norm` nothing is clipped and the bug cannot show, which is why the colleague's port passed. "
+            "The fix costs one all-reduce of a single number: the whole gradient's squared norm is the sum of the "
+            "shards' squared norms. That is the 8-byte all-reduce (one float64) that the traffic table of section 6 "
+            "lists for zero1, zero2 and zero3, and what `clip_grad_norm_` in labsupport/parallel/clip.py does with "
+            "its `groups` argument."),
     solution='''
 def clip_sharded_(shard, max_norm):
     total = shard.double().pow(2).sum()          # this shard's share of the squared norm
@@ -353,6 +363,13 @@ register(Exercise(
            "`if output.requires_grad:` is skipped, unit.free() included.",
            "Only the re-gather for backward belongs under the if (backward needs the parameters again only in "
            "training); free the block after every forward: move unit.free() out of the if."),
+    lesson=("Evaluation runs under torch.no_grad(): no output requires grad, so everything under "
+            "`if output.requires_grad:` was skipped, unit.free() with it, and every block stayed gathered after its "
+            "forward. After one evaluation pass a rank holds all the units' full parameters at once, the memory "
+            "ZeRO-3's sharding was to remove, and the next evaluation of a large model runs out of it. The training "
+            "pass could not show the bug, since there every output requires grad. Only the re-gather for backward "
+            "belongs under the if (backward needs the parameters again only in training); the free belongs after "
+            "every forward."),
     solution='''
 def shard_block(block, unit):
     def before_forward(module, args):
@@ -377,6 +394,11 @@ WHY = {
     "gathers": ("ZeRO-3 gathers each unit's parameters twice per step, before its forward and again before its "
                 "backward, and the micro model has 5 units: its 4 blocks and the root (the embeddings and the final "
                 "LayerNorm). Section 8 looks inside."),
+    "ds_more": ("DeepSpeed's ZeRO-1 keeps the full parameters, as ours does, but its optimizer updates an fp32 copy of "
+                "this rank's partition of them (DeepSpeed keeps that master copy of mixed precision even when it "
+                "trains in fp32), so its optimizer states are {ratio:.2f} times ours: the moments' 8Ψ/N plus the "
+                "copy's 4Ψ/N. Of gradients it holds fewer, not more: none between steps, where the loop measures "
+                "(the grads column of the table below reads 0, for its ZeRO-3 too)."),
     "pcie_s": ("2 bytes per parameter each way, 30 GB in all, at 31.5 GB/s. ✔ means the transfer takes no longer "
                "than the step's compute, so it can hide behind it."),
 }
