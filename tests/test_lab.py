@@ -756,6 +756,27 @@ RING_QUERIES_ONLY = ("owner * c + torch.arange(c)", "torch.arange(c)")  # the qu
 RING_KEYS_ONLY = ("rank * c + torch.arange(c)", "torch.arange(c)")      # the keys' positions fixed, the queries' not
 
 
+def test_wrap_keeps_a_tables_rows_whole():
+    """The f/g table of 04's conjugate_backward lesson came out with its cells under the wrong columns
+    (newcomer pass): a row whose columns are aligned by runs of spaces stays one line."""
+    row = "f, where the parallel region starts   identity: every rank takes all of X   all-reduce of dX"
+    assert ex.wrap(row) == row and len(row) > ex.WIDTH
+    assert ex.wrap("word " * 30).count("\n") == 2  # prose still wraps
+
+
+@pytest.mark.multiprocess
+def test_a_ring_step_that_raises_after_posting_its_sends_leaves_the_next_attempt_clean(pool2, capsys):
+    """Newcomer pass: a ring_step that raised between its isend/irecv and their waits left messages in flight
+    on the pool, and the next, correct attempt timed out blaming its own sends. The ranks restart after a
+    check whose code raised, and the next attempt passes."""
+    raising = mutate("ring_step", "    block_out, block_lse = attend(q, k, v)",
+                     "    block_out, block_lse = online_softmax_merge(q, k, v)")
+    status, message = grade("ring_step", raising, capsys)
+    assert status == ex.WRONG and "NameError" in message, message
+    status, out = grade("ring_step", solution("ring_step"), capsys)
+    assert status == ex.SOLVED, out
+
+
 @pytest.mark.multiprocess
 def test_context_and_experts_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     for name in ("ring_step", "dispatch"):

@@ -66,10 +66,14 @@ INDENT = "  "  # what starts a line that continues the one above it
 def wrap(text: str, width: int = WIDTH) -> str:
     """`text` with each line longer than `width` broken between words, never inside one (a word longer
     than `width` gets a line of its own); the lines that continue it start with INDENT more than its own
-    indentation. Line breaks already in the text stay."""
+    indentation. Line breaks already in the text stay, and so does a table's row (columns aligned by runs
+    of spaces): broken, its cells would land under the wrong columns."""
     lines = []
     for line in text.split("\n"):
         indent = line[:len(line) - len(line.lstrip(" "))]
+        if re.search(r"\S {3,}\S", line):
+            lines.append(line)
+            continue
         lines += textwrap.wrap(line, width, subsequent_indent=indent + INDENT, break_long_words=False,
                                break_on_hyphens=False) or [line]
     return "\n".join(lines)

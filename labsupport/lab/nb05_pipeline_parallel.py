@@ -10,7 +10,6 @@ of the library's schedule, and compares every gradient with the dense model's.
 """
 from __future__ import annotations
 
-import textwrap
 
 from . import on_ranks
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
@@ -38,9 +37,8 @@ def _actions(got, what: str) -> list:
 
 
 def _paragraphs(*texts: str) -> str:
-    """A lesson as printed: paragraphs wrapped at 100 characters, since JupyterLab breaks a long output line
-    anywhere, mid-word included."""
-    return "\n\n".join(textwrap.fill(" ".join(t.split()), 100, break_on_hyphens=False) for t in texts)
+    """A lesson's paragraphs, each one line: printing wraps them (exercise.wrap)."""
+    return "\n\n".join(" ".join(t.split()) for t in texts)
 
 
 def side_of(value: float, reference: float, tolerance: float = 0.05) -> str:

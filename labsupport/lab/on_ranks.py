@@ -43,9 +43,16 @@ def run(source: str, module: str, call: str, nproc: int, timeout: float = CHECK_
     if pool.ranks.serves(nproc):
         try:
             pool.ranks.run(setup, timeout=timeout)
-            return pool.ranks.run(call, timeout=timeout)
+            results = pool.ranks.run(call, timeout=timeout)
         except LaunchError as e:
             raise RanksFailed(str(e)) from None
+        if any(isinstance(r, dict) and r.get("status") == "error" for r in results.values()):
+            # The attendee's code raised, perhaps between posting a send or a receive and waiting for it:
+            # such a message would meet the next check's. Fresh ranks make the next check start clean.
+            print(wrap("(your code raised on the ranks, maybe with messages still in flight: restarting the "
+                       "ranks, so that your next attempt starts clean)"), flush=True)
+            pool.ranks.restart()
+        return results
     why = (f"the pool has {pool.ranks.nproc} ranks, this check needs {nproc}" if pool.ranks.running else
            f"no pool is running; `%ranks start --nproc {nproc}` makes checks fast")
     print(wrap(f"(checking on {nproc} fresh ranks, a few seconds: {why})"), flush=True)
