@@ -465,6 +465,14 @@ def test_one_f_one_b_wrong_orders_get_their_feedback_before_any_rank_runs(old, n
     assert status == ex.WRONG and re.search(feedback, message), message
 
 
+def test_one_f_one_b_is_not_solved_by_calling_the_librarys_schedule(capsys):
+    call = ("from labsupport.estimate.schedules import schedule\n\n\n"
+            "def one_f_one_b(stage, stages, microbatches):\n"
+            "    return [a for a in schedule('1f1b', stages, microbatches)[stage] if a.op in ('F', 'B')]\n")
+    status, message = grade("one_f_one_b", call, capsys)
+    assert status == ex.WRONG and "calls schedule(...)" in ex.unwrap(message), message
+
+
 def test_one_f_one_b_template_says_not_yet(capsys):
     template = "def one_f_one_b(stage, stages, microbatches):\n    raise NotImplementedError\n"
     assert grade("one_f_one_b", template, capsys)[0] == ex.UNSOLVED
