@@ -290,7 +290,10 @@ BLOCKING_LESSON = _paragraphs(
     "sends the activation: each send meets its receive.",
     "Post both at once: labsupport's executor posts each send together with the receive that follows it as one "
     "batch_isend_irecv group (PipelineSplit._post in labsupport/parallel/pipeline.py), as Megatron-LM's "
-    "send_forward_recv_backward does; then neither side waits for the other to start. NCCL needs this even with "
+    "send_forward_recv_backward does by default (batch_p2p_comm); then neither side waits for the other to start. "
+    "Where Megatron-LM overlaps these messages with compute (overlap_p2p_comm, for its interleaved schedule), "
+    "it posts them one by one instead and orders them by rank, as above: an even pipeline rank posts its send "
+    "first, an odd one its receive (_p2p_ops in megatron/core/pipeline_parallel/p2p_communication.py). NCCL needs this even with "
     "non-blocking sends: its guide asks that point-to-point calls which must progress together go in one group, "
     "or they may deadlock.")
 
