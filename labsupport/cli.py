@@ -57,7 +57,7 @@ def cmd_doctor(args) -> int:
              f"ranks will use {device.type} + {backend}",
              f"recommended --nproc: {info['recommended_nproc']}"]
     try:
-        res = launch(module="labsupport.runtime", nproc=2, timeout=args.timeout, name="doctor",
+        res = launch(module="labsupport.smoke", nproc=2, timeout=args.timeout, name="doctor",
                      out=sys.stderr if args.json else sys.stdout)
         got = res.report(0).get("all_reduce_sum")
         info["smoke_test"] = {"ok": got == 3.0, "seconds": round(res.duration_s, 2), "all_reduce_sum": got}

@@ -401,6 +401,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     result["val_losses"] = val_losses
     if getattr(strategy, "events", None):  # a pipeline's last step, action by action (a measured Gantt chart)
         result["pipeline_events"] = strategy.events
+        result["pipeline_origin"] = strategy.pipeline.events_origin  # its start on the host's shared clock
     if args.sample_chars:
         text = sample(strategy, model, corpus, cfg, args.sample_chars, args.seed, rt.device)
         if rt.rank == 0:
@@ -460,6 +461,15 @@ def run_parsed(args, nproc: int = 1, timeout: float | None = None, ranks: str = 
     return summarize(args, config, nproc, [res.report(r) for r in range(nproc)], res)
 
 
+def shared_clock(reports: list) -> list:
+    """Every stage's pipeline events on one time axis: each rank timed its step from its own start,
+    so shift each by how much later than the earliest rank's its start was (the ranks of one host
+    read the same monotonic clock)."""
+    zero = min(r["pipeline_origin"] for r in reports)
+    return [[(a + r["pipeline_origin"] - zero, b + r["pipeline_origin"] - zero, *rest)
+             for a, b, *rest in r["pipeline_events"]] for r in reports]
+
+
 def summarize(args, config: ParallelConfig, nproc: int, reports: list[dict], res) -> dict:
     """The `labsupport train --json` object: rank 0's results, every rank's memory and traffic, the launch's
     duration and run directory (`res`)."""
@@ -473,7 +483,7 @@ def summarize(args, config: ParallelConfig, nproc: int, reports: list[dict], res
                    micro_batch=config.micro_batch_size(args.global_batch, args.micro_batch),
                    memory=[r["memory"] for r in reports], comm=[r["comm"] for r in reports],
                    comm_groups=[r["comm_groups"] for r in reports], duration_s=res.duration_s,
-                   **({"pipeline_events": [r["pipeline_events"] for r in reports]} if "pipeline_events" in r0 else {}),
+                   **({"pipeline_events": shared_clock(reports)} if "pipeline_events" in r0 else {}),
                    run_dir=str(res.run_dir))
     return summary
 

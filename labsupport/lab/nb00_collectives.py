@@ -128,6 +128,9 @@ WIRE_CASES = [(op, n, 1_000_000) for op in ("all_reduce", "all_gather", "reduce_
 
 
 def grade_wire_bytes(fn, source) -> str:
+    if "BUS_FACTOR" in (source or "") or "comm_cost" in (source or ""):
+        raise Wrong("your wire_bytes reads the library's table of factors (BUS_FACTOR in estimate.comm_cost), the "
+                    "very table the check compares with: work the bytes out from the ring's steps instead")
     for op, n, payload in WIRE_CASES:
         got = attempt(fn, op, payload, n)
         want = BUS_FACTOR[op](n) * payload
@@ -177,8 +180,7 @@ def check_mean_loss(fn) -> dict:
 def grade_mean_loss(fn, source) -> str:
     return on_ranks.grade(source, __name__, "check_mean_loss(mean_loss)", EXERCISES["mean_loss"].ranks,
                           "every rank made the same all-reduce: no hang, and the mean is right",
-                          "Every rank must make the same collective calls in the same order; which call does "
-                          "one rank make alone?", timeout=10)
+                          'lab.hint("mean_loss") helps.', timeout=10)
 
 
 def _paragraphs(*texts: str) -> str:
@@ -192,7 +194,9 @@ MEAN_LOSS_LESSON = _paragraphs(
     "it, and only on even steps. A collective returns only once every rank of its group has called it: rank 0 "
     "waited in comm.all_reduce for a partner that never came, while rank 1 ran through its steps and waited at "
     "the end of its script, in the barrier that `with labsupport.init()` passes on the way out, which is where "
-    "the timeout found them. On one process there is no partner to wait for, so the helper worked there.",
+    "the timeout found them. On one process there is no partner to wait for, so the helper worked there. Under "
+    "NCCL the hang shows one line later: the all-reduce call returns at once (it only queues the work on the "
+    "GPU's stream), and rank 0 waits at the next host sync, here total.item().",
     "The fix: every rank computes the mean; only the printing belongs under the `if`. The rule holds for "
     "anything that communicates inside: a metric averaged for logging, a barrier, an evaluation that all-reduces "
     "its loss, a state_dict of a sharded model (FSDP and ZeRO-3 gather the shards with collectives). Call it on "
@@ -202,9 +206,11 @@ register(Exercise(
     name="mean_loss", notebook="00", title="Find the bug: the loss that is logged only on rank 0", ranks=2,
     grade=grade_mean_loss, bug_lab=True, lesson=MEAN_LOSS_LESSON,
     cause=("only rank 0", "rank 0 alone", "rank 0 calls", "one rank skips", "nobody joins", "never joins",
+           "one rank make alone", "one rank makes alone",
            "inside the if", "under the if", "inside the `if`", "under the `if`"),
     hints=("Which ranks reach the all_reduce? Follow one call of mean_loss on rank 1, line by line.",
-           "Look at the `if` around the all_reduce. A collective is a meeting: it returns only when every rank of "
+           "Every rank must make the same collective calls in the same order; which call does one rank make "
+           "alone? Look at the `if` around the all_reduce. A collective is a meeting: it returns only when every rank of "
            "the group has called it. Do the all-reduce on every rank; only the print belongs under `if rank == 0`."),
     solution='''
 def mean_loss(loss, step):
@@ -219,11 +225,25 @@ def mean_loss(loss, step):
 # Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
 # and not in the notebook's cell, which the attendee reads before predicting.
 WHY = {
-    "reduce_scatter": ("Rank 3 keeps piece 3 of the sum: 3 + 13 + 23 + 33 = 72. Every rank r keeps its piece of the "
-                       "column sums, 60 + 4r."),
-    "ring_bytes": ("2(n-1) = 6 steps of one chunk of M/4 = 256 KiB each: 1.5 MiB, 2(n-1)/n x M. The check below "
-                   "counts the sends."),
+    "all_to_all": ("Rank 1 sends its piece 3, 13, to rank 3, which stores it at position 1: rank 3 ends with "
+                   "[3, 13, 23, 33], piece 3 of every rank. Read the buffers as the rows of a matrix and the "
+                   "all-to-all transposes it."),
+    "ring_bytes": ("2(n-1) = 6 steps of one chunk of M/4 = 256 KiB each: 1.5 MiB, 2(n-1)/n x M, section 4's "
+                   "all-reduce line applied. The check below counts the sends."),
     "alpha_us": ("A message between two processes of one machine costs a system call and a wake-up on each side: "
                  "tens to hundreds of microseconds on a laptop, mostly the operating system waking up the "
                  "receiving process."),
 }
+
+
+def counter_table(counts: dict, n: int) -> None:
+    """Section 4's table of what `comm` counted: calls, payload and wire bytes, their ratio, and the
+    nccl-tests factor for n ranks, asserted equal to the ratio. Kept here, not in the cell, so that
+    the cell above the wire_bytes exercise does not show the one line that solves it."""
+    print(f"{'op':<16}{'calls':>6}{'payload bytes':>15}{'wire bytes':>12}{'wire / payload':>16}"
+          f"{f'factor for n = {n}':>18}")
+    for op, c in counts.items():
+        factor = BUS_FACTOR[op](n)
+        assert c["wire_bytes"] == factor * c["payload_bytes"], op
+        print(f"{op:<16}{c['calls']:>6}{c['payload_bytes']:>15}{c['wire_bytes']:>12}"
+              f"{c['wire_bytes'] / c['payload_bytes']:>16.2f}{factor:>18.2f}")

@@ -10,6 +10,7 @@ of the library's schedule, and compares every gradient with the dense model's.
 """
 from __future__ import annotations
 
+import re
 
 from . import on_ranks
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
@@ -205,6 +206,9 @@ def check_one_f_one_b(one_f_one_b, rt) -> dict:
 
 
 def grade_one_f_one_b(fn, source) -> str:
+    if re.search(r"\bschedule\s*\(", source or ""):
+        raise Wrong("your one_f_one_b calls schedule(...), the library's own 1F1B: write the order from the three "
+                    "phases yourself (the exercise is the order, not a call)")
     check_one_f_one_b_locally(fn)
     return on_ranks.grade(source, __name__, "check_one_f_one_b(one_f_one_b, rt)", RANKS,
                           f"on p = 4, 2, 4, 3 stages with m = 8, 4, 2, 5 micro-batches every stage runs 1F1B's order, "
@@ -263,8 +267,8 @@ def grade_blocking_actions(fn, source) -> str:
             check_happens_before(lists, p, 1, blocking_sends=True)
         except ScheduleError as e:
             raise Wrong(f"with p = 2, m = {m} and blocking sends the simulator finds a {e}") from None
-    return ("with 2 stages and m = 2, 4 and 8, every blocking SEND finds its RECV: stage 1 takes the next "
-            "activation before it sends the gradient, so the two stages never both wait in a send")
+    return ("with 2 stages and m = 2, 4 and 8, every blocking SEND finds its RECV: where a send meets a receive, "
+            "one stage receives before it sends, so the two stages never both wait in a send")
 
 
 BLOCKING_LESSON = _paragraphs(
@@ -284,7 +288,10 @@ BLOCKING_LESSON = _paragraphs(
     "sends the activation: each send meets its receive.",
     "Post both at once: labsupport's executor posts each send together with the receive that follows it as one "
     "batch_isend_irecv group (PipelineSplit._post in labsupport/parallel/pipeline.py), as Megatron-LM's "
-    "send_forward_recv_backward does; then neither side waits for the other to start. NCCL needs this even with "
+    "send_forward_recv_backward does by default (batch_p2p_comm); then neither side waits for the other to start. "
+    "Where Megatron-LM overlaps these messages with compute (overlap_p2p_comm, for its interleaved schedule), "
+    "it posts them one by one instead and orders them by rank, as above: an even pipeline rank posts its send "
+    "first, an odd one its receive (_p2p_ops in megatron/core/pipeline_parallel/p2p_communication.py). NCCL needs this even with "
     "non-blocking sends: its guide asks that point-to-point calls which must progress together go in one group, "
     "or they may deadlock.")
 
@@ -328,13 +335,12 @@ WHY = {
                     "(every chunk boundary is a send), and more activations in flight during warm-up: every stage "
                     "holds more than twice as many chunk forwards as 1F1B holds micro-batches, each half a stage's "
                     "(the line below)."),
-    "live_bubble": ("The formula counts only the ramp, on a machine where messages are free, stages are equal and "
-                    "ranks stay in step: (p - 1) / (m + p - 1) = 1/9. The run has none of the three. The gaps that "
-                    "the simulated chart does not have are messages: stage 1, between a backward and the next "
-                    "forward, waits for the activation that stage 0 sends only after its own forward, and each "
-                    "message costs time (here a copy through the loopback, on the same two cores that compute). "
-                    "The stages are not equal: stage 1 also computes the LM head and the loss. And two ranks that "
-                    "share two cores with this notebook are rarely in step. All three add waiting. On GPUs with "
+    "live_bubble": ("The formula counts only the ramp, on a machine where messages are free and ranks stay in "
+                    "step: (p - 1) / (m + p - 1) = 1/9. The run has neither. The gaps that the simulated chart does "
+                    "not have are messages: stage 1, between a backward and the next forward, waits for the "
+                    "activation that stage 0 sends only after its own forward, and each message costs time (here a "
+                    "copy through the loopback, on the same two cores that compute). And two ranks that share two "
+                    "cores with this notebook are rarely in step. Both add waiting. On GPUs with "
                     "NVLink or InfiniBand the messages are small beside a real stage's compute and the formula is "
                     "a good guide; where it is not, the measured chart shows where the time went."),
     "memory_ratio": ("Stage 0 holds m = 8 micro-batches' activations at its peak under GPipe and p - 0 = 2 under "
@@ -342,3 +348,25 @@ WHY = {
                      "after its forward. The meter counts the tensors autograd keeps for backward, the same bytes "
                      "for every micro-batch, so the ratios are exactly the counts of micro-batches in flight."),
 }
+
+
+# ---------------------------------------------------------------- the check cell's expectations
+
+def check(naive, measured, stages: int, microbatches: int) -> None:
+    """Section 13's claims about sections 2 and 9, kept here so that the check cell's source does not
+    spell out the answers of their predictions. Raises AssertionError with what differs."""
+    from ..estimate.simulator import bubble_fraction
+    units, idle = naive.total_time, naive.idle
+    assert units == 12 and all(i == 9 for i in idle), \
+        f"section 2: the naive pipeline took {units} time units with idle {idle}, not 12 with 9 on every stage"
+    forwards = [sorted((s[0], s[1]) for s in rank if s[2] == "F") for rank in measured.spans]
+    assert forwards[1][0][0] >= forwards[0][0][1], \
+        (f"section 9: stage 1's first forward starts at {forwards[1][0][0]:.4f} s, before stage 0's ends at "
+         f"{forwards[0][0][1]:.4f} s: the two stages' times are not on one clock")
+    first = [min(s[0] for s in r) for r in measured.spans]
+    last = [max(s[1] for s in r) for r in measured.spans]
+    assert first[1] > first[0] and last[0] > last[1], \
+        f"section 9: stage 1 should start late and stage 0 finish late: starts {first}, ends {last}"
+    got, formula = measured.bubble_fraction, bubble_fraction(stages, microbatches)
+    assert side_of(got, formula) == "above", \
+        f"section 9: the measured bubble {got:.1%} is not above the formula's {formula:.1%}"

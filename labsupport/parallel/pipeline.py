@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+import time
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,9 @@ class PipelineSplit(Step):
     It turns the model into this stage's chunks; every stage reads the same micro-batches (the
     first uses the tokens, the last the targets). `events` holds the last step's actions on this
     stage as (start_s, end_s, op, microbatch, chunk), seconds from the start of `forward_backward`,
-    for a measured Gantt chart.
+    for a measured Gantt chart; `events_origin` is that start on `time.perf_counter()`, whose clock
+    (CLOCK_MONOTONIC) the processes of one host share, so that a run's report can put every stage
+    on one time axis (`train.py` shifts each stage by its origin minus the earliest).
     """
 
     axis = "pp"
@@ -140,9 +143,9 @@ class PipelineSplit(Step):
         last = p * v - 1
         inputs, outputs, grads, pending, sent, losses = {}, {}, {}, [], [], []
         self.events = []
-        start = comm.now()
+        self.events_origin = start = time.perf_counter()  # one host's processes share this clock
         for action in actions:
-            began, key = comm.now(), (action.microbatch, action.chunk)
+            began, key = time.perf_counter(), (action.microbatch, action.chunk)
             k = model_chunk(s, action.chunk, p)
             x, y = batches[action.microbatch]
             if action.op == "SEND_F":  # this chunk's output, for the next chunk
@@ -171,7 +174,7 @@ class PipelineSplit(Step):
                 else:
                     with comm.phase("backward"), no_sync() if action.microbatch < m - 1 else nullcontext():
                         torch.autograd.backward(outputs.pop(key), grads.pop(key, None))
-            self.events.append((began - start, comm.now() - start, action.op, action.microbatch, action.chunk))
+            self.events.append((began - start, time.perf_counter() - start, action.op, action.microbatch, action.chunk))
         sent += self._post(pending, m)
         for work, _ in sent:  # the tensors stay alive until their sends are done
             work.wait()
