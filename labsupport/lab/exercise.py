@@ -79,6 +79,12 @@ def wrap(text: str, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+def paragraphs(*texts: str) -> str:
+    """A lesson written as paragraphs (each string one, its source line breaks ignored), each on one line:
+    printing wraps them (`wrap`)."""
+    return "\n\n".join(" ".join(t.split()) for t in texts)
+
+
 def unwrap(text: str) -> str:
     """What `wrap` was given, for text without lines that start with INDENT of their own: each line that
     starts with INDENT joins the line above it."""

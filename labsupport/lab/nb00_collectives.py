@@ -7,12 +7,11 @@ description (`estimate.collective_steps`) and the one table of wire factors (`es
 """
 from __future__ import annotations
 
-import textwrap
 
 from ..estimate import collective_steps
 from ..estimate.comm_cost import BUS_FACTOR
 from . import on_ranks
-from .exercise import EXERCISES, Exercise, Wrong, attempt, register
+from .exercise import EXERCISES, Exercise, Wrong, attempt, paragraphs, register
 
 RING_RANKS = 4
 CHUNK = 2  # elements per chunk: a shape mistake shows too
@@ -183,13 +182,8 @@ def grade_mean_loss(fn, source) -> str:
                           'lab.hint("mean_loss") helps.', timeout=10)
 
 
-def _paragraphs(*texts: str) -> str:
-    """A lesson as printed: paragraphs wrapped at 100 characters, since JupyterLab breaks a long output line
-    anywhere, mid-word included."""
-    return "\n\n".join(textwrap.fill(" ".join(t.split()), 100, break_on_hyphens=False) for t in texts)
 
-
-MEAN_LOSS_LESSON = _paragraphs(
+MEAN_LOSS_LESSON = paragraphs(
     "Why it hung. The all-reduce sat inside `if comm.get_rank() == 0 and step % 2 == 0`, so only rank 0 called "
     "it, and only on even steps. A collective returns only once every rank of its group has called it: rank 0 "
     "waited in comm.all_reduce for a partner that never came, while rank 1 ran through its steps and waited at "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from . import on_ranks
-from .exercise import Exercise, Unsolved, Wrong, attempt, register
+from .exercise import Exercise, Unsolved, Wrong, attempt, paragraphs, register
 
 RANKS = 2
 HANG = "A stage's RECV must meet the neighbour's SEND of the same message, in the order they were sent"
@@ -36,10 +36,6 @@ def _actions(got, what: str) -> list:
             raise Wrong(f"{what} returned {a!r} in its list; each entry is Action(op, microbatch), op \"F\" or \"B\"")
     return out
 
-
-def _paragraphs(*texts: str) -> str:
-    """A lesson's paragraphs, each one line: printing wraps them (exercise.wrap)."""
-    return "\n\n".join(" ".join(t.split()) for t in texts)
 
 
 def side_of(value: float, reference: float, tolerance: float = 0.05) -> str:
@@ -271,7 +267,7 @@ def grade_blocking_actions(fn, source) -> str:
             "one stage receives before it sends, so the two stages never both wait in a send")
 
 
-BLOCKING_LESSON = _paragraphs(
+BLOCKING_LESSON = paragraphs(
     "Why it hung. In 1F1B's steady state on two stages each stage ends a computation with a send and only then "
     "receives. After its forward of micro-batch 1, stage 0 sends the activation (SEND_F1) and would then receive "
     "the gradient of micro-batch 0 (RECV_B0); at the same moment stage 1, done with the backward of micro-batch 0, "
