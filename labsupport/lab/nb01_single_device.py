@@ -263,8 +263,9 @@ WHY = {
                      "the gradients are, not on how far S lies above the default. Each skip costs a whole step of "
                      "compute and teaches the model nothing; "
                      "from GradScaler's default 65,536 a run usually skips none or a few."),
-    "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts, and "
-                    "micro's matmuls are large enough for a CPU that runs nothing else to come close to it; on a "
-                    "shared machine the peak and the throughput both move with the other programs (section 7). On a "
+    "mfu_percent": ("On a CPU the peak is this machine's own fp32 matmul rate, measured as the run starts. A step "
+                    "also spends time outside the large matmuls (attention's small ones, softmax, LayerNorm, the "
+                    "optimizer, Python), and on a shared machine the peak and the throughput both move with the "
+                    "other programs (section 7), so the figure changes from run to run and machine to machine. On a "
                     "GPU this tiny model would reach a few percent (see below)."),
 }
