@@ -302,12 +302,12 @@ def test_a_users_script_never_aborts_at_exit(tmp_path):
     """Fresh 2-rank runs of a user's script, plain and tied-weight models in turn: no rank aborts.
 
     Before the fix about 1 run in 20 had a rank die with SIGABRT at exit. LABSUPPORT_USER_RUNS sets
-    how many: the default 12 (about 2 s each on 2 idle cores, the suite's budget) would have caught
-    that race about half the time (1 - 0.95^12); what prevents it is held every step by
+    how many: the default 4 (about 2 s each on 2 idle cores; the suite's budget) would have caught
+    that race one time in five (1 - 0.95^4); what prevents it is held every step by
     `test_no_bucket_work_outlives_finish_gradient_synchronization` and comm's `_until_freed` tests.
     Hunting a regression: LABSUPPORT_USER_RUNS=100.
     """
-    runs = int(os.environ.get("LABSUPPORT_USER_RUNS", "12"))
+    runs = int(os.environ.get("LABSUPPORT_USER_RUNS", "4"))
     script = tmp_path / "user_script.py"
     script.write_text(USER_SCRIPT)
     res = run_script(script, runs, timeout=280)

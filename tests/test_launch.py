@@ -133,7 +133,7 @@ def test_a_rank_slow_to_start_does_not_eat_the_timeout(tmp_path):
     body = """
         import os, time
         if os.environ["RANK"] == "1":
-            time.sleep(8)                          # a slow start: longer than the timeout below
+            time.sleep(5)                          # a slow start: longer than the timeout below
         import torch
         from labsupport import comm, init
         with init() as rt:
