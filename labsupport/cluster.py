@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launch import _alive, descendants, free_port, kill_pids
+from .launch import alive, descendants, free_port, kill_pids
 
 # Where `make cluster` keeps the instructor's cluster; notebooks look for one there.
 DEFAULT_DIR = Path("/tmp/labsupport-cluster")
@@ -221,7 +221,7 @@ EnforcePartLimits=ALL
             states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
             if len(states) == NODES and all(s == "idle" for s in states.values()):
                 return self
-            dead = [name for name, pid in self.pids.items() if not _alive(pid)]
+            dead = [name for name, pid in self.pids.items() if not alive(pid)]
             bad = {name: s for name, s in states.items() if s.startswith(("inval", "drain", "down"))}
             if dead or bad or time.monotonic() > deadline:
                 why = (f"{', '.join(dead)} exited" if dead else f"nodes {bad}: see `scontrol show node`" if bad
@@ -231,14 +231,14 @@ EnforcePartLimits=ALL
 
     def down(self) -> None:
         """Cancel every job, kill everything on the nodes and the daemons, remove the network. Idempotent."""
-        if self.pids.get("slurmctld") and _alive(self.pids["slurmctld"]):
+        if self.pids.get("slurmctld") and alive(self.pids["slurmctld"]):
             self.command("scancel", "--full", f"--partition={PARTITION}", check=False)
         pids = []
         for n in self.nodes:  # everything that ever ran on a node lives in its network namespace
             res = _run("ip", "netns", "pids", n["ns"], check=False)
             pids += [int(p) for p in res.stdout.split()]
         for pid in self.pids.values():
-            if _alive(pid) and _ours(pid, self.dir, self.tag):
+            if alive(pid) and _ours(pid, self.dir, self.tag):
                 pids += [pid, *descendants(pid)]
         kill_pids(sorted(set(pids)), grace_s=2.0, reap=_reap)
         for n in self.nodes:
@@ -351,7 +351,7 @@ def running(directory: Path):
 def available(directory: Path = DEFAULT_DIR):
     """The cluster `make cluster` started in `directory` while it is up, else one for the `with` block."""
     cluster = load(directory)
-    if cluster is not None and cluster.pids and all(_alive(pid) for pid in cluster.pids.values()):
+    if cluster is not None and cluster.pids and all(alive(pid) for pid in cluster.pids.values()):
         yield cluster
         return
     with tempfile.TemporaryDirectory(prefix="labsupport-cluster-") as tmp, running(Path(tmp)) as cluster:

@@ -141,7 +141,8 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (exited, not yet reaped by its parent) does not."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -161,7 +162,7 @@ def kill_pids(pids: list[int], grace_s: float = 3.0, reap=lambda: None) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             reap()
-            if not any(_alive(p) for p in pids):
+            if not any(alive(p) for p in pids):
                 break
             time.sleep(0.05)
 
@@ -390,7 +391,7 @@ def failure_message(result: RunResult) -> str:
     """
     errors = [json.loads(p.read_text()) for p in result.run_dir.glob("error-rank*.json")]
     errors.sort(key=lambda e: (bool(_PEER_LOST.search(e["error"])), e["time"]))
-    crashed = _crashed_ranks(result.run_dir, result.nproc)
+    crashed = crashed_ranks(result.run_dir, result.nproc)
     if crashed and (not errors or _PEER_LOST.search(errors[0]["error"])):
         return "; ".join(crashed) + f" (logs in {display_path(result.run_dir)})"
     if errors:
@@ -408,7 +409,7 @@ def failure_message(result: RunResult) -> str:
     return f"torchrun exited {result.returncode}; see {display_path(result.run_dir)}/torchrun.log"
 
 
-def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
+def crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
     """Ranks that died in C++ (abort, segfault): faulthandler wrote 'Fatal Python error' and the stack.
 
     A crash inside Python code comes first, then by time: a crash with no Python frame at all
@@ -420,7 +421,7 @@ def _crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
         dump = stack.read_text(errors="replace") if stack.exists() else ""
         if "Fatal Python error" in dump:
             what = dump.split("Fatal Python error:", 1)[1].splitlines()[0].strip()
-            where = _innermost_frame(dump)
+            where = innermost_frame(dump)
             crashes.append((not where, stack.stat().st_mtime,
                             f"rank {rank} crashed ({what}) in {where or 'a backend thread, no Python frame'}"))
     return [line for *_, line in sorted(crashes)]
@@ -442,12 +443,12 @@ def _where_ranks_wait(run_dir: Path, nproc: int) -> str:
     parts = []
     for rank in running:
         stack = run_dir / f"stack-rank{rank}.txt"
-        where = _innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
+        where = innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
         parts.append(f"rank {rank}" + (f" (in {where})" if where else ""))
     return ", ".join(parts)
 
 
-def _innermost_frame(dump: str) -> str:
+def innermost_frame(dump: str) -> str:
     """From a faulthandler dump, the innermost labsupport.comm call if any, else the innermost frame."""
     frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', dump)
     if not frames:

@@ -25,14 +25,13 @@ No process outlives the pool: `stop()` ends them all, and so does the kernel's e
 kernel is killed, Linux kills the controller and the engines with it (see `_serve`).
 
 Memory. A pool of 2 ranks holds about twice as much memory as its kernel (each rank imports
-torch; README, "Workshops"), and every open notebook has its own. So a pool stops itself after IDLE_MINUTES without a
-cell (LABSUPPORT_POOL_IDLE_MINUTES; 0 never), and the next `%%ranks` cell or exercise check
-starts it again, saying so: what earlier cells left on the ranks is gone then. And each pool is
-written down in a per-user registry (`registry_dir()`, one small JSON file per kernel: process
-ids, port, kernel, notebook); a notebook that starts a pool while another notebook of the same
-Jupyter server holds one says which, how much memory it holds, and that `%ranks stop --others`
-stops it (`RankPool.stop_others`); that notebook starts its ranks again when it needs them, and
-says why. Pools never serve two notebooks: each notebook's ranks keep their own state.
+torch; README, "Workshops"), and every open notebook has its own. So a pool stops itself after
+IDLE_MINUTES without a cell (LABSUPPORT_POOL_IDLE_MINUTES; 0 never; labsupport.idle), and the
+next `%%ranks` cell or exercise check starts it again, saying so: what earlier cells left on the
+ranks is gone then. And a notebook that starts a pool while another notebook of the same Jupyter
+server holds one says which, how much memory it holds, and that `%ranks stop --others` stops it
+(`RankPool.stop_others`; labsupport.pool_registry); that notebook starts its ranks again when it
+needs them, and says why. Pools never serve two notebooks: each notebook's ranks keep their own state.
 """
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ import argparse
 import ast
 import atexit
 import faulthandler
-import json
 import logging
 import os
 import re
@@ -53,9 +51,11 @@ import time
 import traceback
 from pathlib import Path
 
-from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, _alive,
-                     _crashed_ranks, _innermost_frame, check_nproc, descendants, display_path, free_port,
-                     kill_pids, make_run_dir)
+from . import pool_registry
+from .idle import IdleTimer
+from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, alive,
+                     check_nproc, crashed_ranks, descendants, display_path, free_port, innermost_frame, kill_pids,
+                     make_run_dir)
 from .rank import die_with_parent
 
 START_TIMEOUT_S = 120  # for the engines to register and the process group to form
@@ -64,8 +64,6 @@ PEER_GRACE_S = 5       # after a rank raised, how long the others may still run 
 POLL_S = 0.01          # how often output is copied and the ranks are checked while a cell runs
 IDLE_MINUTES = 20.0    # a pool with no cell for this long stops itself (LABSUPPORT_POOL_IDLE_MINUTES; 0: never)
 IDLE_ENV = "LABSUPPORT_POOL_IDLE_MINUTES"
-REGISTRY_ENV = "LABSUPPORT_POOL_REGISTRY"  # the registry's folder, if not the Jupyter runtime dir's
-TOUCH_S = 5            # how often, at most, a pool writes its last use into its registry file
 # Ending a pool's processes: SIGTERM, then SIGKILL after this long. An engine's own SIGTERM handler
 # takes seconds and there is nothing to save (stop() left the process group before), but a
 # kernel's shutdown waits for it: JupyterLab kills a kernel that takes over 5 s.
@@ -90,8 +88,7 @@ class RankPool:
         self._cells = 0
         self._exit_hook = False
         self._lock = threading.RLock()      # one thing at a time on the ranks: a cell, a start, or the idle stop
-        self._idle: threading.Event | None = None  # set when these processes end: their idle watcher quits
-        self._last_used = 0.0               # time.monotonic() when the last cell ended
+        self._idle: IdleTimer | None = None  # ends these processes after idle_minutes without a cell
         self._entry: dict | None = None     # this pool's registry entry, while it runs
         self._stopped: dict | None = None   # stopped by itself or from another notebook: {"settings", "why"}
         self.nproc = 0
@@ -146,12 +143,10 @@ class RankPool:
         if not self._exit_hook:  # before ipyparallel's own hook (atexit runs last-registered first)
             atexit.register(self._end_processes)
             self._exit_hook = True
-        self._last_used = time.monotonic()
-        self._register()
+        self._entry = pool_registry.register(self.nproc, self.port, self.run_dir, _processes(self._cluster),
+                                             self.idle_minutes)
         if self.idle_minutes:
-            self._idle = threading.Event()
-            threading.Thread(target=self._stop_when_idle, args=(self._idle,), daemon=True,
-                             name="labsupport-pool-idle").start()
+            self._idle = IdleTimer(self.idle_minutes * 60, self._lock, self._stop_idle)
 
     def _launch(self) -> None:
         """The ipyparallel controller and one engine per rank, all on 127.0.0.1, files in the run dir."""
@@ -241,7 +236,7 @@ class RankPool:
 
     def status(self) -> dict[int, str]:
         """{rank: "idle" or "dead"}. Cells run one at a time, so a live rank is idle between them."""
-        return {r: "idle" if _alive(pid) else "dead" for r, pid in self._pids.items()}
+        return {r: "idle" if alive(pid) else "dead" for r, pid in self._pids.items()}
 
     @property
     def pids(self) -> dict[int, int]:
@@ -249,7 +244,7 @@ class RankPool:
         return dict(self._pids)
 
     def _alive_ranks(self) -> list[int]:
-        return [r for r, pid in self._pids.items() if _alive(pid)]
+        return [r for r, pid in self._pids.items() if alive(pid)]
 
     def _end_processes(self) -> None:
         """Kill the controller, the engines and anything they started; forget them."""
@@ -257,9 +252,11 @@ class RankPool:
         self._cluster = self._client = None
         self._engines, self._pids = {}, {}
         if self._idle is not None:
-            self._idle.set()
+            self._idle.cancel()
             self._idle = None
-        self._unregister()
+        if self._entry is not None:
+            self._entry = None
+            pool_registry.unregister()
         if client is not None:
             client.close(linger=0)
         if cluster is None:
@@ -268,31 +265,21 @@ class RankPool:
         kill_pids([p for pid in pids for p in (pid, *descendants(pid))], grace_s=END_GRACE_S)
         cluster.stop_cluster_sync()  # ipyparallel's bookkeeping (files, its exit hook); they are gone
 
-    # ------------------------------------------------------------ memory: the idle stop, other notebooks' pools
+    # ------------------------------------------------------------ memory: stopped when idle or from elsewhere
 
-    def _stop_when_idle(self, idle: threading.Event) -> None:
-        """The watcher thread of one start: end the processes once no cell has run for idle_minutes.
-
-        It says nothing (in a kernel its output would land in whatever cell runs); the next cell
-        says it (_ensure_running). A cell that runs holds the lock, so the watcher waits for its end.
-        """
-        limit = self.idle_minutes * 60
-        while not idle.wait(max(self._last_used + limit - time.monotonic(), 0.05)):
-            with self._lock:
-                if idle.is_set():  # stopped meanwhile
-                    return
-                if time.monotonic() - self._last_used >= limit:
-                    why = f"stopped themselves after {self.idle_minutes:g} min without a cell"
-                    self._stopped = {"settings": self._settings(), "why": why}
-                    self._end_processes()
-                    return
+    def _stop_idle(self) -> None:
+        """What the idle timer calls (holding the lock, so never during a cell). It says nothing: in a
+        kernel its output would land in whatever cell runs; the next cell says it (_ensure_running)."""
+        why = f"stopped themselves after {self.idle_minutes:g} min without a cell"
+        self._stopped = {"settings": self._settings(), "why": why}
+        self._end_processes()
 
     def _notice_stop_from_elsewhere(self) -> None:
         """If another notebook stopped these ranks (`stop_others` leaves a note beside our registry file),
         forget them."""
         if not self.running:
             return
-        by = _read_stop_note()
+        by = pool_registry.read_stop_note()
         if by is not None:
             self._stopped = {"settings": self._settings(), "why": f"were stopped from {by}"}
             self._end_processes()  # whatever is left of them, and ipyparallel's bookkeeping
@@ -312,43 +299,27 @@ class RankPool:
         self._tell_about_others()
 
     def _used(self) -> None:
-        """After a cell: the idle clock starts again, and the registry says when the pool was last used."""
-        self._last_used = time.monotonic()
-        if self._entry is not None and time.time() - self._entry["last_used"] > TOUCH_S:
-            self._entry["last_used"] = time.time()
-            _write_entry(self._entry)
-
-    def _register(self) -> None:
-        self._entry = {"owner": os.getpid(), "owner_start": _start_ticks(os.getpid()), "parent": os.getppid(),
-                       "notebook": os.environ.get("JPY_SESSION_NAME") or None, "kernel": _kernel_id(),
-                       "nproc": self.nproc, "port": self.port, "run_dir": str(self.run_dir),
-                       "pids": {str(pid): _start_ticks(pid) for pid in _processes(self._cluster)},
-                       "idle_minutes": self.idle_minutes, "started": time.time(), "last_used": time.time()}
-        _write_entry(self._entry)
-
-    def _unregister(self) -> None:
+        """After a cell: the idle limit counts from now, and the registry says when the pool was last used."""
+        if self._idle is not None:
+            self._idle.touch()
         if self._entry is not None:
-            self._entry = None
-            _remove_entry(os.getpid())
+            pool_registry.touch(self._entry)
 
     def _tell_about_others(self) -> None:
-        others = other_pools()
+        others = pool_registry.other_pools()
         if others:
-            _say(others_line(others))
+            _say(pool_registry.others_line(others))
 
     def stop_others(self) -> list[dict]:
-        """Stop the ranks that the user's other notebooks hold (`other_pools`), to free their memory.
+        """Stop the ranks that the user's other notebooks hold (`pool_registry.other_pools`), to free their memory.
 
         Their kernels go on; each notebook starts its ranks again at its next `%%ranks` cell or
         check, and says why. Returns what was stopped (registry entries, with "memory" in bytes).
         """
-        me = _label({"notebook": os.environ.get("JPY_SESSION_NAME"), "kernel": _kernel_id(), "owner": os.getpid()})
-        stopped = []
-        for entry in other_pools():
-            _leave_stop_note(entry["owner"], me)  # first: a cell running there now hears who stopped it
-            pids = _live_pids(entry)
-            kill_pids([p for pid in pids for p in (pid, *descendants(pid))], grace_s=END_GRACE_S)
-            stopped.append(entry)
+        stopped = pool_registry.other_pools()
+        for entry in stopped:
+            pool_registry.leave_stop_note(entry["owner"])  # first: a cell running there now hears who stopped it
+            kill_pids(pool_registry.live_processes(entry), grace_s=END_GRACE_S)
         return stopped
 
     # ------------------------------------------------------------ running code on the ranks
@@ -432,7 +403,7 @@ class RankPool:
                 raise _Lost(RankFailed, f"{_ranks_word(dead)} died since the last cell", [])
             return self._gather(jobs, self.timeout if timeout is None else timeout)
         except _Lost as lost:
-            by = _read_stop_note()
+            by = pool_registry.read_stop_note()
             if by is not None:  # another notebook stopped them while this cell ran
                 lost.reason = f"the ranks were stopped from {by}"
             print(f"{lost}; restarting all {self.nproc} ranks...", file=sys.stderr, flush=True)
@@ -470,9 +441,9 @@ class RankPool:
                 running = [r for r in calls if r not in results]
                 if not running:
                     break
-                dead = [r for r in running if not _alive(self._pids[r])]
+                dead = [r for r in running if not alive(self._pids[r])]
                 if dead:
-                    crashed = [line for line in _crashed_ranks(self.run_dir, self.nproc)  # "rank K crashed (...)"
+                    crashed = [line for line in crashed_ranks(self.run_dir, self.nproc)  # "rank K crashed (...)"
                                if int(line.split()[1]) in dead]
                     raise _Lost(RankFailed, "; ".join(crashed) or f"{_ranks_word(dead)} died",
                                 [r for r in running if r not in dead])
@@ -510,7 +481,7 @@ class RankPool:
         parts = []
         for r in ranks:
             stack = self.run_dir / f"stack-rank{r}.txt"
-            where = _innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
+            where = innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
             parts.append(f"rank {r}" + (f" (in {where})" if where else ""))
         return ", ".join(parts)
 
@@ -609,168 +580,10 @@ def _processes(cluster) -> list[int]:
     return [pid for pid in pids if pid and pid > 0]
 
 
-def _start_ticks(pid) -> int | None:
-    """When process `pid` started (clock ticks since boot): with the pid, it names one process, even after
-    the pid is reused. None if there is no such process."""
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _kernel_id() -> str | None:
-    """This Jupyter kernel's id (a Jupyter server names its connection file kernel-ID.json; other clients
-    name it as they like: then its name); None outside a kernel."""
-    if "ipykernel" not in sys.modules:
-        return None
-    try:
-        from ipykernel.connect import get_connection_file
-        name = Path(get_connection_file()).stem
-    except Exception:  # not in a kernel after all
-        return None
-    return name.removeprefix("kernel-")
-
-
-# The registry: one file per kernel (process) that runs a pool, PID.json, written whole and renamed
-# into place, so no one ever reads half of it; PID.stopped is the note `stop_others` leaves.
-
-def registry_dir() -> Path:
-    """$LABSUPPORT_POOL_REGISTRY, else labsupport-pools/ in Jupyter's runtime dir (per user; on a
-    JupyterHub, in the user's home)."""
-    if os.environ.get(REGISTRY_ENV):
-        return Path(os.environ[REGISTRY_ENV])
-    from jupyter_core.paths import jupyter_runtime_dir
-    return Path(jupyter_runtime_dir()) / "labsupport-pools"
-
-
-def _write_entry(entry: dict) -> None:
-    """Best effort: a registry that cannot be written (a read-only home) costs the notice, never the pool."""
-    folder = registry_dir()
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        part = folder / f".{entry['owner']}.json.part"
-        part.write_text(json.dumps(entry))
-        os.replace(part, folder / f"{entry['owner']}.json")
-    except OSError:
-        pass
-
-
-def _remove_entry(owner: int) -> None:
-    folder = registry_dir()
-    for name in (f"{owner}.json", f"{owner}.stopped"):
-        try:
-            (folder / name).unlink()
-        except OSError:
-            pass
-
-
-def _leave_stop_note(owner: int, by: str) -> None:
-    try:
-        (registry_dir() / f"{owner}.stopped").write_text(json.dumps({"by": by, "at": time.time()}))
-    except OSError:
-        pass
-
-
-def _read_stop_note() -> str | None:
-    """Who stopped this process's ranks (a note `stop_others` left), once; None if nobody did."""
-    note = registry_dir() / f"{os.getpid()}.stopped"
-    try:
-        by = json.loads(note.read_text())["by"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        by = "another notebook"
-    try:
-        note.unlink()
-    except OSError:
-        pass
-    return str(by)
-
-
-def _live_pids(entry: dict) -> list[int]:
-    """The entry's processes that still run (the same processes: same pid, same start)."""
-    return [int(pid) for pid, ticks in entry.get("pids", {}).items() if _start_ticks(pid) == ticks]
-
-
-def _memory(pids) -> int:
-    """What the processes hold, in bytes: their PSS (each shared page divided among the processes that map
-    it, so sums mean something), or their RSS where /proc has no smaps_rollup."""
-    total = 0
-    for pid in pids:
-        for path, field in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
-            try:
-                with open(path) as f:
-                    line = next((line for line in f if line.startswith(field)), None)
-            except OSError:
-                continue
-            if line is not None:
-                total += int(line.split()[1]) * 1024
-                break
-    return total
-
-
-def other_pools() -> list[dict]:
-    """The pools that other notebooks of this user hold on the same Jupyter server: the registry's
-    entries whose owner is another Jupyter kernel with our parent (the server; in a test, the test),
-    still running, not already stopped. Each entry gains "memory" (bytes, see _memory). Files of
-    kernels that are gone are removed (their pools died with them, see _serve)."""
-    folder = registry_dir()
-    try:
-        files = sorted(folder.glob("*.json"))
-    except OSError:
-        return []
-    found = []
-    for path in files:
-        try:
-            entry = json.loads(path.read_text())
-            owner = int(entry["owner"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if owner == os.getpid():
-            continue
-        if _start_ticks(owner) != entry.get("owner_start"):  # its kernel is gone
-            _remove_entry(owner)
-            continue
-        if not entry.get("kernel") or entry.get("parent") != os.getppid() or (folder / f"{owner}.stopped").exists():
-            continue
-        pids = _live_pids(entry)
-        if pids:
-            entry["memory"] = _memory([p for pid in pids for p in (pid, *descendants(pid))])
-            found.append(entry)
-    return found
-
-
-def _label(entry: dict) -> str:
-    if entry.get("notebook"):
-        return Path(entry["notebook"]).name
-    if entry.get("kernel"):
-        return f"the notebook of kernel {entry['kernel'][:8]}"
-    return f"process {entry['owner']}"
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f} GB"
-
-
 def _say(text: str) -> None:
     """Print a message for the notebook in lines that JupyterLab's output area shows whole (lab.exercise.wrap)."""
     from .lab.exercise import wrap
     print(wrap(text), flush=True)
-
-
-def others_line(others: list[dict]) -> str:
-    """What start() prints when other notebooks hold ranks: a line for each (its memory, how long it has been
-    idle), and the call that stops them."""
-    def idle(entry):
-        minutes = int((time.time() - entry["last_used"]) // 60)
-        return "used in the last minute" if minutes < 1 else f"idle for {minutes} min"
-    lines = [f"{_label(e)} still holds {e['nproc']} interactive ranks ({_gb(e['memory'])}, {idle(e)})."
-             for e in others]
-    lines.append("`%ranks stop --others` stops them; that notebook starts them again when it needs them."
-                 if len(others) == 1 else f"`%ranks stop --others` stops them all "
-                 f"({_gb(sum(e['memory'] for e in others))}); each notebook restarts its own when needed.")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- inside the controller and engines
@@ -896,9 +709,7 @@ def ranks_magic(line: str, cell: str | None = None, user_ns: dict | None = None)
     if opts.others and opts.action != "stop":
         raise PoolError("%ranks: --others goes with stop: `%ranks stop --others`")
     if opts.action == "stop" and opts.others:
-        stopped = ranks.stop_others()
-        _say("\n".join(f"stopped the {e['nproc']} ranks of {_label(e)} ({_gb(e['memory'])}); it starts them "
-                       f"again when it needs them" for e in stopped) or "no other notebook holds interactive ranks")
+        _say(pool_registry.stopped_line(ranks.stop_others()))
     elif opts.action == "stop":
         was = ranks.nproc if ranks.running else 0
         ranks.stop()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, _crashed_ranks, failure_message,
+from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, crashed_ranks, failure_message,
                                launch, torchrun_magic)
 from conftest import listening_addresses, on_loopback, processes_of, run_cli
 
@@ -101,7 +101,7 @@ def test_a_crash_in_python_code_is_named_before_a_peer_that_aborted_in_a_backend
     os.utime(tmp_path / "stack-rank0.txt", (1, 1))  # the earlier of the two
     (tmp_path / "stack-rank1.txt").write_text("Fatal Python error: Aborted\n\nCurrent thread 0x2 (most recent call "
                                               "first):\n  File \"/x/job.py\", line 6 in <module>\n")
-    assert _crashed_ranks(tmp_path, 2) == ["rank 1 crashed (Aborted) in <module> called at job.py:6",
+    assert crashed_ranks(tmp_path, 2) == ["rank 1 crashed (Aborted) in <module> called at job.py:6",
                                            "rank 0 crashed (Aborted) in a backend thread, no Python frame"]
 
 
@@ -289,15 +289,15 @@ def test_doctor_smoke_test():
 
 def test_a_rank_waiting_at_the_exit_barrier_is_named_so():
     """A rank whose script ended waits in runtime's exit barrier for the others: say that, not torch's frame."""
-    from labsupport.launch import _innermost_frame
+    from labsupport.launch import innermost_frame
     dump = ('Thread 0x1 (most recent call first):\n'
             '  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper\n'
             '  File "/x/labsupport/runtime.py", line 196 in _destroy_world\n'
             '  File "/x/labsupport/runtime.py", line 164 in __exit__\n')
-    assert _innermost_frame(dump) == "the exit barrier: its script is done, it waits for the others"
+    assert innermost_frame(dump) == "the exit barrier: its script is done, it waits for the others"
     comm_dump = ('  File "/x/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
                  '  File "/x/labsupport/comm.py", line 5 in _call\n  File "/x/labsupport/comm.py", line 7 in all_reduce\n')
-    assert _innermost_frame(comm_dump) == "comm.all_reduce"
+    assert innermost_frame(comm_dump) == "comm.all_reduce"
 
 
 def test_a_launch_listens_on_loopback_only(tmp_path):

@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from labsupport import load_ipython_extension, pool as pool_module
-from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, _alive
+from labsupport import load_ipython_extension, pool as pool_module, pool_registry
+from labsupport.launch import LaunchError, LaunchTimeout, RankFailed, alive
 from labsupport.lab.exercise import unwrap
-from labsupport.pool import IDLE_ENV, REGISTRY_ENV, PoolError, RankPool, ranks
+from labsupport.pool import IDLE_ENV, PoolError, RankPool, ranks
+from labsupport.pool_registry import REGISTRY_ENV
 from conftest import REPO, listening_addresses, on_loopback, processes_of
 
 pytestmark = pytest.mark.multiprocess
@@ -42,7 +43,7 @@ def pool(tmp_path_factory):
 def gone(pids) -> bool:
     """True once none of `pids` is alive (waits up to BOUND_S)."""
     deadline = time.monotonic() + BOUND_S
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -245,7 +246,7 @@ def test_killing_the_owner_leaves_no_process(tmp_path):
     try:
         assert gone(started)
     finally:  # a failing test leaves nothing behind either
-        for pid in filter(_alive, started):
+        for pid in filter(alive, started):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -319,7 +320,7 @@ def test_a_killed_kernel_leaves_no_process(tmp_path):
     try:
         assert gone(pids)
     finally:
-        for pid in filter(_alive, pids):
+        for pid in filter(alive, pids):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -419,4 +420,4 @@ def test_a_notebook_hears_of_another_notebooks_pool_stops_it_and_nothing_is_left
     assert gone(pids_b)
     with pytest.MonkeyPatch.context() as mp:  # a kernel killed before its exit hook ran leaves a file; the next
         mp.setenv(REGISTRY_ENV, str(registry))  # notebook's start (or status) removes it
-        assert pool_module.other_pools() == [] and list(registry.iterdir()) == []
+        assert pool_registry.other_pools() == [] and list(registry.iterdir()) == []
