@@ -147,10 +147,16 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Every kernel JupyterLab starts loads labsupport's magics (%%exercise, %ranks, %%torchrun), so an
 # exercise cell works after a kernel restart without running the notebook's first cell again:
 # IPython reads its configuration from $(LAB_IPYTHON), written here each time.
+# Text outputs break lines between words, not inside them: JupyterLab's custom CSS
+# (LabApp.custom_css, a <link> to custom/custom.css in its page) served from configs/jupyterlab/
+# instead of ~/.jupyter/custom/, so that only this JupyterLab gets it (the file says why). The user's
+# own Jupyter configuration still applies, except a tornado_settings of theirs, which this replaces.
+LAB_CSS := $(CURDIR)/configs/jupyterlab
+LAB_STYLE := --LabApp.custom_css=True '--ServerApp.tornado_settings={"static_custom_path": ["$(LAB_CSS)"]}'
 LAB_IPYTHON := $(WORK)/.ipython
 lab: $(LAB_STAMP)
 	@$(MAKE) --no-print-directory lab-copy
-	$(RUN_ENV) IPYTHONDIR="$(abspath $(LAB_IPYTHON))" $(VENV)/bin/jupyter lab --notebook-dir=$(WORK) --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_ARGS)
+	$(RUN_ENV) IPYTHONDIR="$(abspath $(LAB_IPYTHON))" $(VENV)/bin/jupyter lab --notebook-dir=$(WORK) --ip=$(LAB_IP) $(ROOT_FLAG) $(LAB_STYLE) $(LAB_ARGS)
 
 # The copy and the kernels' configuration, without starting JupyterLab (`make lab` does this first).
 lab-copy:

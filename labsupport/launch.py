@@ -292,8 +292,12 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     except _Timeout:
         waiting = _where_ranks_wait(run_dir, nproc)
         kill_tree(proc)
-        raise LaunchTimeout(f"{clock.describe()}; still running: {waiting or 'no rank reported'}; "
-                            f"logs in {display_path(run_dir)}") from None
+        logs = f"logs in {display_path(run_dir)}"
+        if len(waiting) > 2:  # a line each: a list of more on one line would run far past any output area
+            raise LaunchTimeout("\n".join([f"{clock.describe()}; still running:", *(f"  {w}" for w in waiting),
+                                           logs])) from None
+        raise LaunchTimeout(f"{clock.describe()}; still running: {', '.join(waiting) or 'no rank reported'}; "
+                            f"{logs}") from None
     except BaseException:  # KeyboardInterrupt from the notebook's stop button or Ctrl-C
         kill_tree(proc)
         raise
@@ -427,8 +431,9 @@ def crashed_ranks(run_dir: Path, nproc: int) -> list[str]:
     return [line for *_, line in sorted(crashes)]
 
 
-def _where_ranks_wait(run_dir: Path, nproc: int) -> str:
-    """Ask every rank still running to dump its stack (SIGUSR1), and say what each is waiting in."""
+def _where_ranks_wait(run_dir: Path, nproc: int) -> list[str]:
+    """Ask every rank still running to dump its stack (SIGUSR1), and say what each is waiting in: one
+    "rank k (in ...)" per rank still running."""
     running = []
     for rank in range(nproc):
         pid_file = run_dir / f"pid-rank{rank}"
@@ -445,7 +450,7 @@ def _where_ranks_wait(run_dir: Path, nproc: int) -> str:
         stack = run_dir / f"stack-rank{rank}.txt"
         where = innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
         parts.append(f"rank {rank}" + (f" (in {where})" if where else ""))
-    return ", ".join(parts)
+    return parts
 
 
 def innermost_frame(dump: str) -> str:

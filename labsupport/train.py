@@ -300,6 +300,11 @@ def resume(args, rt, strategy, model, optimizer, run_layout) -> tuple[int, dict]
     return step, history
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 rank', '2 ranks'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def write_trace(path, rank, step, events) -> None:
     """The recorded step as JSON: compute phases and every communication, in seconds."""
     with open(path, "w", encoding="utf-8") as f:
@@ -337,9 +342,14 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     log_every = args.log_every or max(1, args.steps // 10)
     tokens_per_step = args.global_batch * cfg.seq_len
     step_times, val_losses = [], []
-    rt.print(f"training {cfg.name}: {count_params(cfg):,} parameters, {args.strategy} on {rt.world_size} rank(s), "
-             f"global batch {args.global_batch} = {micro} x {args.global_batch // (dp_size * micro)} accumulation x "
-             f"{dp_size} data-parallel ranks, {args.steps} steps from step {start_step}")
+    # Two lines of at most about 90 characters with the "[rank 0] " prefix: what trains, then how the global
+    # batch is made (one line of 150 was broken wherever the output area ended, issue 28).
+    accumulation = args.global_batch // (dp_size * micro)
+    steps = f"steps {start_step + 1} to {args.steps}" if start_step else f"{args.steps} steps"
+    rt.print(f"training {cfg.name} ({count_params(cfg):,} parameters): {args.strategy} on "
+             f"{_count(rt.world_size, 'rank')}, {steps}")
+    rt.print(f"global batch {args.global_batch} = micro-batch {micro} x {_count(accumulation, 'accumulation step')} "
+             f"x {_count(dp_size, 'data-parallel rank')}")
     for step in range(start_step, args.steps):
         lr = lr_at(step, args)
         for group in optimizer.param_groups:

@@ -4,6 +4,7 @@ The pieces, meant to be combined by the browser tests (tests/test_browser.py):
 
     require_chromium()               Chromium's path; skips the test without it (fails it when CI is set)
     jupyter_lab(folder)              context manager: a private JupyterLab server on 127.0.0.1 -> Lab
+    make_lab_style()                 the options `make lab` gives JupyterLab for its look (LAB_STYLE)
     chromium_page()                  context manager: a headless Chromium tab (Playwright, sync API)
     artifacts_on_failure(page, ..)   context manager: on an exception, save a screenshot (and the server
                                      log) to tests/artifacts/<name>.png before re-raising
@@ -207,13 +208,24 @@ def _stop_tree(process: subprocess.Popen, tag: str, grace_s: float = 10) -> None
     psutil.wait_procs(list(leftovers.values()), timeout=5)
 
 
+def make_lab_style() -> list[str]:
+    """The command-line options the Makefile's LAB_STYLE gives the JupyterLab of `make lab` (its custom
+    CSS), one per item as the shell splits them: read from the Makefile itself, so a test that passes
+    them to `jupyter_lab(extra_args=...)` starts JupyterLab as `make lab` does. Runs no target of it."""
+    out = subprocess.run(["make", "--no-print-directory", "-s", "-C", str(REPO),
+                          "--eval", 'print-lab-style: ; @printf "%s\\n" $(LAB_STYLE)', "print-lab-style"],
+                         check=True, capture_output=True, text=True).stdout
+    return out.splitlines()
+
+
 @contextmanager
 def jupyter_lab(notebooks: str | Path | None = None, *, ipython_dir: str | Path | None = None,
-                startup_timeout_s: float = 90):
+                extra_args: list[str] = (), startup_timeout_s: float = 90):
     """Start JupyterLab on 127.0.0.1 serving a temporary copy of `notebooks` (default: the repo's
     notebooks/, which may not exist yet), yield a `Lab`, and always stop it and its kernels.
     The kernels read IPython's configuration from `ipython_dir` (e.g. the one `make lab-copy`
-    writes), else from an empty temporary one.
+    writes), else from an empty temporary one. `extra_args` go to JupyterLab's command line
+    (e.g. `make_lab_style()`).
 
     The server runs this interpreter's JupyterLab (`python -m jupyterlab`), with a random token,
     no browser, LABSUPPORT_RUNS in a temporary folder and the repository on PYTHONPATH, so the
@@ -249,7 +261,7 @@ def jupyter_lab(notebooks: str | Path | None = None, *, ipython_dir: str | Path 
                "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
                "--LabApp.expose_app_in_browser=True",  # tests read the notebook model through window.jupyterapp
                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+               "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False", *extra_args]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI runners often run as root
         command.append("--allow-root")
     log = tmp / "jupyter.log"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from browser import (REPO, artifacts_on_failure, chromium_page, jupyter_lab, require_chromium, run_notebook_in_browser,
-                     tagged_processes, wait_for_redraw, wait_for_text, write_notebook)
+from browser import (REPO, artifacts_on_failure, chromium_page, jupyter_lab, make_lab_style, require_chromium,
+                     run_notebook_in_browser, tagged_processes, wait_for_redraw, wait_for_text, write_notebook)
 from labsupport.estimate.collective_steps import simulate
 from labsupport.widgets.collectives import format_state, symbolic_initial
 from labsupport.widgets.comm_counter import CommCounterWidget
@@ -262,20 +262,61 @@ def test_rank_grid_shows_tp_groups_crossing_nodes_in_jupyterlab(lab, page, reque
         wait_for_redraw(figure, src, "the rank order changed")
 
 
-def test_make_labs_kernels_know_the_exercise_magic_without_the_first_cell(tmp_path, request):
-    """After a kernel restart, an attendee runs an exercise cell alone, before the notebook's
-    `%load_ext labsupport`: every kernel of `make lab`'s JupyterLab has loaded the magics."""
+# Where each line of the text output holding `marker` starts, as Chromium laid it out: per character its line
+# box's top, and a character lower than the one before starts a line.
+LINE_STARTS_JS = """(marker) => {
+  const pre = Array.from(document.querySelectorAll('.jp-OutputArea-output pre')).find(p => p.textContent.includes(marker));
+  if (!pre) return null;
+  const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT), range = document.createRange();
+  let text = '';
+  const tops = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (let i = 0; i < node.length; i++) {
+      range.setStart(node, i);
+      range.setEnd(node, i + 1);
+      const rects = range.getClientRects();
+      tops.push(rects.length ? rects[0].top : null);
+      text += node.data[i];
+    }
+  }
+  const starts = [];
+  for (let i = 1; i < text.length; i++) {
+    if (tops[i] !== null && tops[i - 1] !== null && tops[i] > tops[i - 1] + 1) starts.push(i);
+  }
+  return {text, starts, wordBreak: getComputedStyle(pre).wordBreak};
+}"""
+
+# A printed line three times wider than the output area, of words 11 to 13 letters long: broken at any character
+# (JupyterLab's own `word-break: break-all`), nearly every one of its lines would end inside a word.
+LONG_LINE = "wraps: " + " ".join(["microbatches", "accumulation", "interleaved", "pipelining"] * 8)
+
+
+def test_make_labs_jupyterlab_loads_the_magics_and_breaks_text_between_words(tmp_path, request):
+    """`make lab`'s JupyterLab, started as the Makefile starts it (its IPython profile, its custom CSS):
+    1. after a kernel restart, an attendee runs an exercise cell alone, before the notebook's
+       `%load_ext labsupport`: every kernel has loaded the magics;
+    2. issue 28: a printed line wider than the output area breaks between words, never inside one."""
     require_chromium()
     work = tmp_path / "work"
     subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "lab-copy", f"WORK={work}", f"VENV={sys.prefix}"],
                    check=True, capture_output=True)
     write_notebook(work / "notebooks" / "alone.ipynb",
-                   "%%exercise wire_bytes\ndef wire_bytes(op, payload_bytes, n):\n    raise NotImplementedError")
-    with jupyter_lab(work / "notebooks", ipython_dir=work / ".ipython") as server, chromium_page() as page:
+                   "%%exercise wire_bytes\ndef wire_bytes(op, payload_bytes, n):\n    raise NotImplementedError",
+                   f"print({LONG_LINE!r})")
+    with jupyter_lab(work / "notebooks", ipython_dir=work / ".ipython", extra_args=make_lab_style()) as server, \
+            chromium_page() as page:
         with artifacts_on_failure(page, request.node.name, server):
             run_notebook_in_browser(page, server, "alone.ipynb", timeout_s=60)
             shown = page.locator(".jp-OutputArea-output", has_text="wire_bytes: not solved yet")
             shown.first.wait_for(timeout=15_000)
+            page.locator(".jp-OutputArea-output pre", has_text="wraps: ").first.wait_for(timeout=15_000)
+            laid_out = page.evaluate(LINE_STARTS_JS, "wraps: ")
+            assert laid_out["text"].rstrip("\n") == LONG_LINE
+            assert laid_out["wordBreak"] == "normal", laid_out["wordBreak"]
+            starts, text = laid_out["starts"], laid_out["text"]
+            assert len(starts) >= 2, f"the line was not broken at all: {laid_out}"
+            inside = [text[max(0, i - 8):i] + "|" + text[i:i + 8] for i in starts if text[i - 1] != " "]
+            assert not inside, f"lines broken inside words: {inside}"
     assert not tagged_processes(server.tag), "JupyterLab left processes behind"
 
 

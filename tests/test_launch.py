@@ -15,6 +15,7 @@ import pytest
 
 from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, crashed_ranks, failure_message,
                                launch, torchrun_magic)
+from labsupport.rundir import display_path
 from conftest import listening_addresses, on_loopback, processes_of, run_cli
 
 pytestmark = pytest.mark.multiprocess
@@ -148,18 +149,20 @@ def test_a_rank_slow_to_start_does_not_eat_the_timeout(tmp_path):
 
 def test_ranks_that_never_say_they_are_up_time_out_after_the_start_up_allowance(tmp_path):
     """A script without labsupport.init() never says it is up: its timeout counts from the end of the
-    allowance for starting, and the message says which ranks never came up."""
+    allowance for starting, and the message says which ranks never came up. More than two ranks still
+    running are listed a line each (issue 28: on one line, the list ran far past the output area)."""
     body = """
         import time
         time.sleep(3600)
     """
     run_dir = tmp_path / "run"
     with pytest.raises(LaunchTimeout) as err:
-        launch(script(tmp_path, body), nproc=2, timeout=1, startup_timeout=8, run_dir=run_dir, out=io.StringIO())
-    msg = str(err.value)
-    assert msg.startswith("timed out after 9 s (8 s to start, then 1 s; rank(s) 0, 1 never through "
-                          "labsupport.init()); still running: rank "), msg
-    assert set(re.findall(r"rank \d \(in ([^)]*)\)", msg)) == {"<module> called at job.py:3"}, msg  # in its sleep
+        launch(script(tmp_path, body), nproc=3, timeout=1, startup_timeout=8, run_dir=run_dir, out=io.StringIO())
+    lines = str(err.value).split("\n")
+    assert lines[0] == ("timed out after 9 s (8 s to start, then 1 s; rank(s) 0, 1, 2 never through "
+                        "labsupport.init()); still running:"), lines
+    assert lines[1:4] == [f"  rank {r} (in <module> called at job.py:3)" for r in range(3)], lines  # in its sleep
+    assert lines[4:] == [f"logs in {display_path(run_dir.resolve())}"], lines
     assert processes_of(run_dir) == [] and not list(run_dir.glob("up-rank*"))
 
 

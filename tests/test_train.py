@@ -134,9 +134,10 @@ def test_resume_on_another_layout_is_refused_before_start(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monkeypatch):
+def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monkeypatch, capsys):
     """run() checks the options once and hands the ranks the result (CHECKED_ENV): a rank neither
-    parses its command line nor validates nor builds the parallel configuration again."""
+    parses its command line nor validates nor builds the parallel configuration again. It starts by
+    saying what trains, then how the global batch is made: two lines that fit an output area (issue 28)."""
     args = build_parser().parse_args([*NANO, "--steps", "2", "--sample-chars", "0", "--seq-len", "32"])
     model, config = train.validate(args, 1)
     checked = train.dump_checked(args, model, config)
@@ -151,6 +152,9 @@ def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monk
     assert train.main(["--strategy", "nope"]) == 0  # the command line is not read
     report = json.loads((tmp_path / "report-rank0.jsonl").read_text().splitlines()[-1])
     assert len(report["losses"]) == 2 and report["model"]["seq_len"] == 32 and report["parallel"] == config.to_dict()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == [f"training nano ({count_params(model):,} parameters): single on 1 rank, 2 steps",
+                           "global batch 8 = micro-batch 8 x 1 accumulation step x 1 data-parallel rank"], printed
 
 
 def test_train_parser_defaults_match_the_contract():

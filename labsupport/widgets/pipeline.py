@@ -57,54 +57,35 @@ def run_label(name: str, stages: int, microbatches: int, chunks: int = 1) -> str
 
 
 PAD_PX = 2   # bar left either side of a micro-batch number, so that it reads apart from the bar's edges
-LANE = 0.3   # a measured panel's bars are +-LANE high: its narrow bars' numbers go above or below them
+# The legend's last entry, under the colours: what the numbers are, and why a bar can have none.
+NUMBERS_NOTE = "number on a bar:\nits micro-batch\n(none where the bar\nis too narrow for it)"
 
 
 class BarLabel(Text):
     """A micro-batch number that is drawn only where it fits inside its bar, measured at draw time:
-    a narrow chunk's bar (interleaving's warm-up in a small figure) stays unlabelled rather than
-    carrying digits that run into each other. `fits` says what the last draw decided.
+    a narrow bar (interleaving's chunks in a small figure, a measured forward that took a fraction of
+    the others' time) stays unlabelled rather than carrying digits that run into each other or into
+    its neighbours' (the legend's NUMBERS_NOTE says so). `fits` says what the last draw decided."""
 
-    With `lanes` (a measured run's panel, where a short forward can be a sliver beside its
-    neighbours) a number that does not fit inside goes just above its bar, else just below it,
-    wherever it clears the previous number in that lane; `placed` says where ("inside", "above",
-    "below", or None: left out)."""
-
-    def __init__(self, start: float, stop: float, y: float, text: str, lanes: dict | None = None,
-                 first: bool = False, **kwargs):
+    def __init__(self, start: float, stop: float, y: float, text: str, **kwargs):
         super().__init__((start + stop) / 2, y, text, ha="center", va="center", fontsize=7, **kwargs)
-        self.bar, self.row, self.lanes, self.first = (start, stop), y, lanes, first
-        self.inside_color = self.get_color()
-        self.fits, self.placed = True, "inside"
+        self.bar = (start, stop)
+        self.fits = True
         self.set_in_layout(False)
 
     def draw(self, renderer):
-        if self.lanes is not None and self.first:   # a new draw: the row's lanes are empty again
-            self.lanes.clear()
-        self.set(y=self.row, va="center", fontsize=7, color=self.inside_color)
         left, right = self.axes.transData.transform([(self.bar[0], 0), (self.bar[1], 0)])[:, 0]
         self.fits = self.get_window_extent(renderer).width <= (right - left) - 2 * PAD_PX
-        self.placed = "inside" if self.fits else None
-        if not self.fits and self.lanes is not None:
-            for lane, y, va in (("above", self.row + LANE, "bottom"), ("below", self.row - LANE, "top")):
-                self.set(y=y, va=va, fontsize=6, color="black")
-                box = self.get_window_extent(renderer)
-                if box.x0 >= self.lanes.get(lane, float("-inf")) + PAD_PX:
-                    self.lanes[lane], self.placed = box.x1, lane
-                    break
-        if self.placed:
+        if self.fits:
             super().draw(renderer)
 
 
-def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str = "time units",
-               lanes: bool = False) -> None:
+def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str = "time units") -> None:
     """One row per stage (stage 0 on top); compute bars on a grey row, so what stays grey is idle.
 
-    Only F and B are drawn; times start at the earliest span of any stage. `lanes` (for a measured
-    run, whose bars can be slivers): thinner bars, and a number that does not fit inside its bar
-    above or below it (BarLabel)."""
+    Only F and B are drawn; times start at the earliest span of any stage. Each bar carries its
+    micro-batch number where the number fits inside it (BarLabel)."""
     stages = len(spans)
-    half = LANE if lanes else 0.4
     compute = [[s for s in stage if s[2] in COLORS] for stage in spans]
     t0 = min((s[0] for stage in compute for s in stage), default=0.0)
     end = max((s[1] for stage in compute for s in stage), default=1.0) - t0
@@ -112,20 +93,17 @@ def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str
     bars = max((len(stage) for stage in compute), default=0)
     for row, stage in enumerate(compute):
         y = stages - 1 - row
-        ax.broken_barh([(0, end)], (y - half, 2 * half), facecolors=IDLE)
+        ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors=IDLE)
         groups: dict[tuple, list] = {}
         for start, stop, op, microbatch, chunk in stage:
             groups.setdefault((op, chunk), []).append((start - t0, stop - start))
         for (op, chunk), ranges in groups.items():
-            ax.broken_barh(ranges, (y - half, 2 * half), facecolors=chunk_color(op, chunk, chunks),
+            ax.broken_barh(ranges, (y - 0.4, 0.8), facecolors=chunk_color(op, chunk, chunks),
                            edgecolors="white", linewidth=0.5 if bars <= 48 else 0)
-        row_lanes = {} if lanes else None
-        for i, (start, stop, op, microbatch, chunk) in enumerate(sorted(stage)):
-            ax.add_artist(BarLabel(start - t0, stop - t0, y, str(microbatch), lanes=row_lanes, first=i == 0,
-                                   color="white" if chunk == 0 else "black"))
+        for start, stop, op, microbatch, chunk in stage:
+            ax.add_artist(BarLabel(start - t0, stop - t0, y, str(microbatch), color="white" if chunk == 0 else "black"))
     ax.set_yticks(range(stages), [f"stage {s}" for s in reversed(range(stages))])
-    margin = 0.6 if not lanes else LANE + 0.32   # with lanes: room for a number above the top bar, below the last
-    ax.set_ylim(-margin, stages - 1 + margin)
+    ax.set_ylim(-0.6, stages - 0.4)
     ax.set_xlim(0, end)
     ax.set_xlabel(unit)
     if title:
@@ -133,11 +111,13 @@ def draw_gantt(ax, spans: list[list[tuple]], title: str | None = None, unit: str
 
 
 def gantt_legend(chunks: int) -> list[Patch]:
+    """The colours, then NUMBERS_NOTE (an entry without a swatch)."""
     handles = [Patch(facecolor=COLORS[op], label=LABELS[op] + (", chunk 0" if chunks > 1 else "")) for op in "FB"]
     if chunks > 1:
         handles += [Patch(facecolor=chunk_color(op, chunks - 1, chunks),
                           label=f"{LABELS[op]}, chunk {chunks - 1}") for op in "FB"]
-    return handles + [Patch(facecolor=IDLE, label=LABELS["idle"])]
+    return handles + [Patch(facecolor=IDLE, label=LABELS["idle"]),
+                      Patch(facecolor="none", edgecolor="none", label=NUMBERS_NOTE)]
 
 
 def gantt_figure(timeline, measured=None, title: str | None = None, unit: str = "time (a forward = 1)",
@@ -147,7 +127,7 @@ def gantt_figure(timeline, measured=None, title: str | None = None, unit: str = 
     `timeline` is a `simulate(...)` Timeline or per-stage span lists; `measured` per-stage lists of
     (start_s, end_s, op, microbatch, chunk) tuples from a real run. Works without ipywidgets. With a
     measured run the two charts are stacked, each the output area's width, on one time axis when
-    their units agree; a measured bar too narrow for its number has it just above or below it.
+    their units agree. A bar too narrow for its micro-batch number has none (the legend says so).
     """
     spans = _spans(timeline)
     chunks = max((s[4] for p in (spans, _spans(measured) if measured is not None else []) for stage in p
@@ -162,7 +142,7 @@ def gantt_figure(timeline, measured=None, title: str | None = None, unit: str = 
         fig = NotebookFigure(figsize=(9.6, 2 * (0.95 + 0.5 * rows)), layout="constrained")
         top, bottom = fig.subplots(2, 1)
         draw_gantt(top, spans, title or "predicted (simulator)", unit)
-        draw_gantt(bottom, measured, measured_title, measured_unit, lanes=True)
+        draw_gantt(bottom, measured, measured_title, measured_unit)
         if unit == measured_unit:   # one time axis: the two steps' lengths compare at a glance
             longest = max(top.get_xlim()[1], bottom.get_xlim()[1])
             top.set_xlim(0, longest)
@@ -323,8 +303,7 @@ class PipelineWidget:
                    "time (a forward = 1)")
         if self.measured_shown:
             spans = self.measured[self.measured_shown]
-            draw_gantt(axes[1], spans, f"measured: {run_label(self.measured_shown, *run_shape(spans))}", "seconds",
-                       lanes=True)
+            draw_gantt(axes[1], spans, f"measured: {run_label(self.measured_shown, *run_shape(spans))}", "seconds")
         elif self.measured:
             axes[1].set_axis_off()
             axes[1].set_title("measured: no run of these settings", fontsize=10, loc="left", color="gray")
