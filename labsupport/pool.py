@@ -406,16 +406,16 @@ class RankPool:
             by = pool_registry.read_stop_note()
             if by is not None:  # another notebook stopped them while this cell ran
                 lost.reason = f"the ranks were stopped from {by}"
-            print(f"{lost}; restarting all {self.nproc} ranks...", file=sys.stderr, flush=True)
+            print(lost.then(f"restarting all {self.nproc} ranks..."), file=sys.stderr, flush=True)
             settings = self._settings()
             self._end_processes()  # no clean exit: a rank stuck in a collective would never leave
             try:
                 self._start(**settings)
             except BaseException as e:
-                raise PoolError(f"{lost}; restarting the ranks failed ({e}); "
-                                "start again with `%ranks start --nproc N`") from None
-            message = (f"{lost}; restarted all {self.nproc} ranks with a fresh process group: "
-                       "all rank state (variables, tensors, models) was lost")
+                raise PoolError(lost.then(f"restarting the ranks failed ({e}); "
+                                          "start again with `%ranks start --nproc N`")) from None
+            message = lost.then(f"restarted all {self.nproc} ranks with a fresh process group: "
+                                 "all rank state (variables, tensors, models) was lost")
             if lost.error is KeyboardInterrupt:
                 print(message, file=sys.stderr, flush=True)
                 raise KeyboardInterrupt from None
@@ -462,15 +462,19 @@ class RankPool:
             for r, call in calls.items():  # what arrived meanwhile, and who raised before the others were lost
                 echoes[r].show(call, final=True)
             _print_tracebacks(results)
-            lost.reason += f"; still running: {where}" if where else ""
+            if len(where) > 2:  # a line each, as a launch lists them: on one line they run past the output area
+                lost.reason += "; still running:\n" + "\n".join(f"  {w}" for w in where) + "\n"
+            elif where:
+                lost.reason += f"; still running: {', '.join(where)}; "
             raise lost from None
         for r, call in calls.items():  # output may arrive just after the result
             call.wait_for_output(1.0)
             echoes[r].show(call, final=True)
         return results
 
-    def _where(self, ranks: list[int]) -> str:
-        """Ask each rank to dump its stack (SIGUSR1, see _become_rank) and say where it is waiting."""
+    def _where(self, ranks: list[int]) -> list[str]:
+        """Ask each rank to dump its stack (SIGUSR1, see _become_rank) and say where it is waiting: one
+        "rank k (in ...)" per rank."""
         for r in ranks:
             try:
                 os.kill(self._pids[r], signal.SIGUSR1)
@@ -483,7 +487,7 @@ class RankPool:
             stack = self.run_dir / f"stack-rank{r}.txt"
             where = innermost_frame(stack.read_text(errors="replace")) if stack.exists() else ""
             parts.append(f"rank {r}" + (f" (in {where})" if where else ""))
-        return ", ".join(parts)
+        return parts
 
     def __repr__(self):
         if not self.running:
@@ -506,6 +510,10 @@ class _Lost(Exception):
 
     def __str__(self):
         return self.reason
+
+    def then(self, text: str) -> str:
+        """The reason, and what follows from it (after "; ", unless the reason ends its own list)."""
+        return self.reason + ("" if self.reason.endswith(("\n", "; ")) else "; ") + text
 
 
 class _Echo:
