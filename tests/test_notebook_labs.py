@@ -329,3 +329,18 @@ def test_no_text_in_a_notebook_sends_the_attendee_to_a_lab_module(path):
             found = POINTS_AT_A_LAB_MODULE.search(text)
             assert not found, f"{path.name}[{index}] ({cell['cell_type']}) names a lab module, {found.group(0)!r}: " \
                               f"{text[max(0, found.start() - 60):found.end() + 60]!r}"
+
+
+def test_nothing_above_the_rank_order_lab_says_which_rank_holds_a_coordinate():
+    """Issue 28: notebook 06's place_rank lab asks which rank holds coordinate (d, p, t). Rank 0 holds (0, 0, 0)
+    whichever order the grid's axes are numbered in; any other rank number above the lab, or a group's list of
+    ranks, in a cell's text, its source or its stored output, tells where a coordinate sits (section 3's traffic
+    table once called (0, 1, 0) "rank 2"). Those cells name ranks by their coordinates."""
+    path = next(p for p in NOTEBOOKS if p.stem.startswith("06"))
+    index = exercise_cells(path)["place_rank"][0]
+    for i, cell in enumerate(cells(path)[:index]):
+        texts = [source(cell)] + [json.dumps(o.get("text", "")) + json.dumps(o.get("data", {}))
+                                  for o in cell.get("outputs", [])]
+        for text in texts:
+            found = re.search(r"\branks? #?[1-9]\d*\b|\[\d+, \d+(, \d+)*\]", text)
+            assert not found, f"{path.name}[{i}] above the place_rank lab: {text[max(0, found.start() - 60):found.end() + 40]!r}"

@@ -371,7 +371,8 @@ register(Exercise(
             "training look better than it is: the model can copy the token it should predict. Only a comparison "
             "with the dense computation, outputs and gradients, catches such a bug, which is why every mechanism "
             "in this workbook is held to one."),
-    cause=("local index", "local indices", "local position", "global position", "rank * c", "owner * c"),
+    cause=("local index", "local indices", "local position", "global position", "rank * c", "owner * c",
+           "(rank - step)"),
     solution='''
 from labsupport.lab.nb07_context_and_experts import attend, merge, pass_on
 
