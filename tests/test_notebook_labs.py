@@ -10,11 +10,18 @@ shipped (it must say "not yet" or show its bug, not fail), then with LABSUPPORT_
 runs its reference solution and must pass its check (on real ranks where the subject is
 distributed): solutions cannot rot. Exercise cells do
 not depend on the cells around them, so running only them keeps this fast.
+
+What a lab gives away is checked too (issue 28): no cell around a bug lab names its cause, no reveal
+cell's source holds its answer, the lab module's docstrings (and those of the names a notebook takes
+from it) describe a bug lab by its symptom, and no text of a notebook sends the attendee to a lab module.
 """
 import ast
 import importlib
+import inspect
+import io
 import json
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -241,3 +248,99 @@ def test_a_reveal_cells_source_does_not_hold_its_answer(path):
             if not number and isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert repr(node.value) != answer or node in call.args, \
                     f"{path.name}[{index}]: the cell's source holds the answer {answer}"
+
+
+def lab_module(path: Path):
+    """The notebook's lab module (labsupport.lab.nb07_context_and_experts for 07_*.ipynb)."""
+    return importlib.import_module(f"labsupport.lab.{next(m for m in ex.MODULES if m[2:4] == path.stem[:2])}")
+
+
+def python_of(cell) -> str:
+    """A code cell as Python: a cell magic's first line dropped (the bodies of %%exercise and %%ranks are Python),
+    line magics and shell escapes turned into calls as IPython runs them."""
+    text = source(cell)
+    if text.startswith("%%"):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+    return TransformerManager().transform_cell(text)
+
+
+def names_imported_from(module, path: Path) -> set[str]:
+    """The names the notebook's code cells take from `module`: `from labsupport.lab.nbNN_x import a, b`, and
+    `nbNN_x.a` after `from labsupport.lab import nbNN_x`."""
+    short = module.__name__.rsplit(".", 1)[1]
+    names = set()
+    for cell in cells(path):
+        if cell["cell_type"] != "code" or short not in source(cell):
+            continue
+        for node in ast.walk(ast.parse(python_of(cell))):
+            if isinstance(node, ast.ImportFrom) and node.module == module.__name__:
+                names |= {alias.name for alias in node.names}
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == short:
+                names.add(node.attr)
+    return names
+
+
+@notebooks
+def test_the_lab_modules_docstrings_give_a_bug_lab_by_its_symptom(path):
+    """Issue 28: an attendee who opens the notebook's lab module, or asks `help()` about a name a cell imports from
+    it, reads its docstrings first. The module's docstring, and the docstring of every function or class the
+    notebook takes from it, describe each of its bug labs by the symptom, never by a phrase of the lab's `cause`.
+    (The module also holds the hints, solutions and lessons: that is why no text of the notebook sends the attendee
+    there, see the next test.)"""
+    ex._load_all()
+    module = lab_module(path)
+    docs = {module.__name__: module.__doc__ or ""}
+    for name in sorted(names_imported_from(module, path)):
+        obj = getattr(module, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):  # a constant's __doc__ is its type's
+            docs[f"{module.__name__}.{name}"] = inspect.getdoc(obj) or ""
+    labs = [e for e in ex.EXERCISES.values() if e.notebook == path.stem[:2] and e.bug_lab]
+    for lab in labs:
+        for where, doc in docs.items():
+            for cause in lab.cause:
+                assert cause.lower() not in " ".join(doc.split()).lower(), \
+                    f"{where}'s docstring names {lab.name}'s cause {cause!r}: say the symptom, the lesson says why"
+
+
+# A lab module, named in text: the package as a dotted name or a path (labsupport.lab.nb07_..., labsupport/lab/...),
+# a module's own name (nb07_context_and_experts), or in words.
+POINTS_AT_A_LAB_MODULE = re.compile(r"labsupport\s*[./]\s*lab\b|\bnb\d\d_[a-z]\w*|\blab(?:'s)? modules?\b", re.I)
+
+
+@notebooks
+def test_no_text_in_a_notebook_sends_the_attendee_to_a_lab_module(path):
+    """Issue 28: the lab module holds every lab's hints, solution and lesson, so a sentence that names it sends the
+    attendee to read the answer instead of debugging the cell. No markdown cell and no comment in a code cell names
+    the package labsupport.lab or one of its modules; the notebook offers help through `lab.hint(...)` and
+    `lab.solution(...)`. The imports a cell needs (`from labsupport.lab.nb07_... import attend`) are code, not text,
+    and stay."""
+    for index, cell in enumerate(cells(path)):
+        if cell["cell_type"] == "markdown":
+            texts = [source(cell)]
+        elif cell["cell_type"] == "code":
+            try:
+                texts = [t.string for t in tokenize.generate_tokens(io.StringIO(python_of(cell)).readline)
+                         if t.type == tokenize.COMMENT]
+            except (tokenize.TokenError, SyntaxError):
+                texts = re.findall(r"#.*", source(cell))
+        else:
+            continue
+        for text in texts:
+            found = POINTS_AT_A_LAB_MODULE.search(text)
+            assert not found, f"{path.name}[{index}] ({cell['cell_type']}) names a lab module, {found.group(0)!r}: " \
+                              f"{text[max(0, found.start() - 60):found.end() + 60]!r}"
+
+
+def test_nothing_above_the_rank_order_lab_says_which_rank_holds_a_coordinate():
+    """Issue 28: notebook 06's place_rank lab asks which rank holds coordinate (d, p, t). Rank 0 holds (0, 0, 0)
+    whichever order the grid's axes are numbered in; any other rank number above the lab, or a group's list of
+    ranks, in a cell's text, its source or its stored output, tells where a coordinate sits (section 3's traffic
+    table once called (0, 1, 0) "rank 2"). Those cells name ranks by their coordinates."""
+    path = next(p for p in NOTEBOOKS if p.stem.startswith("06"))
+    index = exercise_cells(path)["place_rank"][0]
+    for i, cell in enumerate(cells(path)[:index]):
+        texts = [source(cell)] + [json.dumps(o.get("text", "")) + json.dumps(o.get("data", {}))
+                                  for o in cell.get("outputs", [])]
+        for text in texts:
+            found = re.search(r"\branks? #?[1-9]\d*\b|\[\d+, \d+(, \d+)*\]", text)
+            assert not found, f"{path.name}[{i}] above the place_rank lab: {text[max(0, found.start() - 60):found.end() + 40]!r}"

@@ -10,7 +10,8 @@ pytest.importorskip("ipywidgets")
 from figures import figure_defects, rendered  # noqa: E402
 from labsupport.parallel.context import _visible_blocks, positions  # noqa: E402
 from labsupport.widgets.figure import DPI  # noqa: E402
-from labsupport.widgets.ring import (RingWidget, _score, online_softmax_trace, ring_figure,  # noqa: E402
+from labsupport.widgets.figure import NotebookFigure  # noqa: E402
+from labsupport.widgets.ring import (RingWidget, _score, draw, online_softmax_trace, ring_figure,  # noqa: E402
                                      ring_walkthrough, state_lines)
 
 SPLITS = [(cp, balanced) for cp in (2, 3, 4) for balanced in (False, True)]
@@ -92,16 +93,35 @@ def test_stepping_back_and_reset_and_the_menus():
     assert "labsupport-ring-state" in w.readout._dom_classes and "labsupport-ring-figure" in w.image._dom_classes
 
 
+# JupyterLab's output area in a 1280-px window with the file browser open (JupyterLab 4, Chromium), measured with
+# tests/browser.py: the ring widget's picture of 850 px ran 2 px past it (issue 28 saw 4 px).
+OUTPUT_AREA_PX = 848
+
+
 @pytest.mark.parametrize("balanced", [False, True])
 def test_the_picture_reads_at_4_ranks(balanced):
-    """Every text >= 9 pt, none cut off or on top of another, and the picture fits a notebook's width."""
+    """Every text >= 9 pt, none cut off or on top of another, and the picture, the widget's (without the state
+    lines, shown under it as text) and the static one, narrower than JupyterLab's output area: shown at its size."""
     for step in range(4):
         fig = ring_figure(4, balanced, step)
         rendered(fig)
         assert figure_defects(fig) == [], step
         texts = fig.texts + [t for ax in fig.axes for t in ax.texts + ax.get_xticklabels() + ax.get_yticklabels()]
         assert min(t.get_fontsize() for t in texts if t.get_text()) >= 9
-        assert fig.get_figwidth() * DPI <= 900
+        widget_picture = NotebookFigure()
+        draw(widget_picture, ring_walkthrough(4, balanced), step, text=False)
+        assert figure_defects(widget_picture) == [], step
+        assert max(fig.get_figwidth(), widget_picture.get_figwidth()) * DPI <= OUTPUT_AREA_PX - 20
+
+
+def test_a_wider_picture_is_scaled_to_the_output_area_not_cut():
+    """At 8 ranks, balanced, the picture is wider than the output area: the image may not be wider than its box
+    (max-width 100 %), has no margin to push it past the edge, and no fixed width; as the planner's and the rank
+    grid's pictures, it is not stretched by the VBox either (align_self)."""
+    w = RingWidget(8, balanced=True)
+    assert ring_figure(8, True, 0).get_figwidth() * DPI > OUTPUT_AREA_PX
+    layout = w.image.layout
+    assert (layout.max_width, layout.margin, layout.align_self, layout.width) == ("100%", "0", "flex-start", None)
 
 
 def test_the_picture_shows_this_steps_blocks_solid_and_the_idle_ranks():

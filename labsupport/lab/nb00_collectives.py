@@ -1,5 +1,6 @@
 """Notebook 00's exercises: the ring from send/recv, the bytes each collective puts on the wire,
-and a find-the-bug lab (a collective that only some ranks call).
+and a find-the-bug lab (a helper that logs the mean loss over the ranks: it works on one process and
+hangs on two).
 
 Rank-side checks (`check_*`) run on every rank after the attendee's cell; `grade_*` run in the
 notebook and turn the ranks' results into feedback. Expected values come from the one schedule

@@ -1,6 +1,7 @@
 """Notebook 01's exercises: count TinyGPT's parameters, bytes per parameter by recipe, days to
-train the workshop's 22B model, and two find-the-bug labs (gradient accumulation; an fp16 step
-that clips before it unscales).
+train the workshop's 22B model, and two find-the-bug labs (gradient accumulation whose gradient is
+4x the whole batch's while AdamW's losses look right; an fp16 step whose logged gradient norm is
+far too large and whose run learns more slowly than fp32's).
 
 Expected values come from `estimate/` (one place per formula), so the exercises grade against
 the same numbers the notebook and the CLI print.

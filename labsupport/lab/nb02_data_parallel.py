@@ -1,6 +1,6 @@
 """Notebook 02's exercises: the bucketed DDP hook and bucket launch, and two find-the-bug labs
-(picotron's hook that averages the parameter instead of its gradient; gradients summed instead
-of averaged, which AdamW's losses cannot see).
+(a DDP hook from one version of picotron whose synchronized gradients differ from one device's;
+a gradient sync whose losses agree with one device's while its gradients do not).
 
 Every check runs on 2 real ranks. Each rank computes the single-device reference itself (the
 whole global batch on its own copy of the model), so "equal to one device" is checked on every

@@ -1,6 +1,7 @@
 """Notebook 03's exercises: ZeRO-1's step (which shard a rank owns, the update, the all-gather),
-and two find-the-bug labs (clipping by the local shard's norm; a ZeRO-3 block that stays
-gathered after an evaluation forward pass, so memory does not drop).
+and two find-the-bug labs (clipping a sharded gradient: the ranks scale their shards by different
+factors and the run drifts from DDP's; a ZeRO-3 block that stays gathered after an evaluation
+forward pass, so memory does not drop).
 
 Every check runs on 2 real ranks and computes its reference on each rank itself: the
 single-device AdamW step on the whole batch, the whole gradient's norm, the unsharded model.

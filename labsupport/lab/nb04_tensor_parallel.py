@@ -1,11 +1,10 @@
 """Notebook 04's exercises: one linear layer split by columns and by rows (in one process), a
-find-the-bug lab (a row-parallel layer that adds its bias before the all-reduce, so the output
-carries it T times: a tensor-parallel model drifts from the dense one as its biases learn), the
-Megatron MLP's forward on real ranks (one all-reduce, the bias once) and the backward of the
-conjugate operators f and g.
+find-the-bug lab (a row-parallel layer whose output differs from the dense layer's: a
+tensor-parallel model drifts from the dense one after step 0, faster at T = 4 than at T = 2), the
+Megatron MLP's forward on real ranks and the backward of the conjugate operators f and g.
 
-The row-parallel exercise has no bias: where a row-parallel layer's bias goes is the bug lab's
-question, so nothing before the lab answers it.
+The row-parallel exercise is kept to what it teaches, so that nothing before the bug lab answers
+the lab.
 
 The one-process checks compare with `torch.nn.functional.linear` on the whole matrix. The checks
 on ranks build the dense layer on every rank from the same seed, hand each rank its slices, and

@@ -1,7 +1,7 @@
 """Notebook 05's exercises: one stage's 1F1B compute order (graded by the schedule simulator and its
 happens-before check, then run for real by the pipeline executor on two ranks), and a find-the-bug
-lab (1F1B's action lists run by an executor whose sends block: on two stages the neighbours both
-send first and wait for each other forever).
+lab (1F1B's action lists run by an executor whose sends block: on two stages the run hangs, each
+stage waiting for the other).
 
 The local checks use `labsupport.estimate`: the same action lists the executor runs, timed by the
 simulator and checked for deadlocks by `check_happens_before`. The check on ranks hands the

@@ -231,7 +231,7 @@ def choose_layout(model, gpus, global_batch):
 '''))
 
 
-# ---------------------------------------------------------------- find the bug: DP varies fastest
+# ---------------------------------------------------------------- find the bug: tensor parallelism over the network
 
 # (dp, pp, tp, devices per node): grids whose TP groups fit in a node.
 PLACE_CASES = ((2, 2, 2, 4), (2, 2, 2, 8), (4, 2, 2, 8), (2, 4, 4, 8), (3, 2, 2, 4))

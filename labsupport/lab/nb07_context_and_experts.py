@@ -1,12 +1,12 @@
 """Notebook 07's exercises: the online-softmax merge of two partial attention results (in one
-process), one step of ring attention on real ranks, a find-the-bug lab (a ring attention whose
-causal mask compares local positions: the loss is a plausible number, the gradients are not the
-dense ones), and the dispatch of a mixture-of-experts layer's all-to-all on real ranks.
+process), one step of ring attention on real ranks, a find-the-bug lab (a causal ring attention
+whose loss is a plausible number, yet neither it nor the gradients are dense attention's), and the
+dispatch of a mixture-of-experts layer's all-to-all on real ranks.
 
 The checks hold each answer to the dense computation on one process: softmax attention over the
 whole sequence (`torch.nn.functional.scaled_dot_product_attention`), and for the dispatch each
 token through its own expert. The ring exercises use the plain split (rank r holds the r-th of cp
-contiguous pieces), so that the positions are easy to write down; the library's balanced split
+contiguous pieces), the simplest to follow; the library's balanced split
 (`labsupport.parallel.context`) changes which pieces, not the mechanism.
 
 `attend`, `merge` and `pass_on` are the pieces the bug lab's ring is written with: a block's
@@ -262,7 +262,7 @@ def ring_step(q, k, v, out, lse, attend):
 '''))
 
 
-# ---------------------------------------------------------------- find the bug: the causal mask's positions
+# ---------------------------------------------------------------- find the bug: a ring attention whose loss looks fine
 
 def _toy_loss(out, head, targets, n_tokens):
     """A language model's loss in miniature: the attention output through a fixed head to 8 logits,
@@ -371,7 +371,8 @@ register(Exercise(
             "training look better than it is: the model can copy the token it should predict. Only a comparison "
             "with the dense computation, outputs and gradients, catches such a bug, which is why every mechanism "
             "in this workbook is held to one."),
-    cause=("local index", "local indices", "local position", "global position", "rank * c", "owner * c"),
+    cause=("local index", "local indices", "local position", "global position", "rank * c", "owner * c",
+           "(rank - step)"),
     solution='''
 from labsupport.lab.nb07_context_and_experts import attend, merge, pass_on
 

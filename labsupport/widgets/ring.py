@@ -36,6 +36,11 @@ from .figure import NotebookFigure, Stepper, figure_png
 UI_SIZES = (2, 3, 4, 5, 6, 8)  # ranks offered in the menu
 FONT = 9  # points: 12.5 px at DPI 100, readable at 4 ranks
 DPI = 100
+# JupyterLab's output area is 848 px wide in a 1280-px window with the file browser open (JupyterLab 4, Chromium;
+# measured): at 4 ranks the picture is drawn narrower than that, either split, so it is shown at its own size.
+# Wider pictures (the balanced split on 5 ranks or more) are scaled down to the output area, never cut.
+WIDTH_IN = 8.2      # inches at DPI: 820 px, room for the state lines of the static figure
+PANEL_IN = 3.8      # beside the score matrix: the load panel and the margins around it
 SKIPPED = "#eeeeee"  # a block the causal mask hides
 
 
@@ -213,7 +218,7 @@ def draw(fig: Figure, walk: RingWalk, k: int, text: bool = True) -> None:
     n = walk.n_chunks
     lines = state_lines(walk, k) if text else []
     matrix = 0.42 * n + 1.0
-    width = max(8.5, matrix + 4.5)
+    width = max(WIDTH_IN, matrix + PANEL_IN)
     line = FONT * 1.35 / 72
     legend = _wrap(LEGEND, int(width * 72 / (0.56 * FONT)) - 4)
     below = 0.3 + line * (len(lines) + legend.count("\n") + 1.5)
@@ -277,7 +282,9 @@ class RingWidget(Stepper):
                                     layout=W.Layout(width="90px"))
         self.reset_button = W.Button(description="reset", icon="fast-backward", layout=W.Layout(width="90px"))
         self.step_label = W.Label()
-        self.image = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        # As the planner's and the rank grid's: at most the output area's width (scaled down, not cut), no margin
+        # past its edge, and not stretched by the VBox (align_self) beyond the picture's own width.
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%", align_self="flex-start", margin="0"))
         self.readout = W.HTML()
         for widget, css in ((self.step_label, "labsupport-ring-step"), (self.image, "labsupport-ring-figure"),
                             (self.readout, "labsupport-ring-state")):
@@ -345,7 +352,6 @@ class RingWidget(Stepper):
             draw(self._fig, self.walk, k, text=False)
             self._png[k] = figure_png(self._fig)
         self.image.value = self._png[k]
-        self.image.layout.width = f"{round(self._fig.get_figwidth() * DPI)}px"
         self.readout.value = ('<pre style="margin:0;font-size:12px;line-height:1.35">'
                               + html.escape(self.state_text()) + "</pre>")
 
