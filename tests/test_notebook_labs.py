@@ -312,12 +312,16 @@ def test_no_text_in_a_notebook_sends_the_attendee_to_a_lab_module(path):
     """Issue 28: the lab module holds every lab's hints, solution and lesson, so a sentence that names it sends the
     attendee to read the answer instead of debugging the cell. No markdown cell and no comment in a code cell names
     the package labsupport.lab or one of its modules; the notebook offers help through `lab.hint(...)` and
-    `lab.solution(...)`. The imports a cell needs (`from labsupport.lab.nb07_... import attend`) are code, not text,
-    and stay."""
+    `lab.solution(...)`. The imports a cell needs are code, not text, and stay; but an exercise's cell never imports
+    from a notebook's lab module, whose name its import line would show the attendee: pieces an exercise's cell
+    needs live in a module of their own (`labsupport.lab.ring_pieces`)."""
     for index, cell in enumerate(cells(path)):
         if cell["cell_type"] == "markdown":
             texts = [source(cell)]
         elif cell["cell_type"] == "code":
+            if source(cell).startswith("%%exercise"):
+                found = re.search(r"^\s*(?:from|import)\s+labsupport\.lab\.nb\d\d_\w*", source(cell), re.M)
+                assert not found, f"{path.name}[{index}]: an exercise's cell imports from a lab module: {found.group(0)!r}"
             try:
                 texts = [t.string for t in tokenize.generate_tokens(io.StringIO(python_of(cell)).readline)
                          if t.type == tokenize.COMMENT]
