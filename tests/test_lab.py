@@ -508,7 +508,7 @@ def test_tensor_parallel_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     assert re.search(r"on rank \d of 2 the output differs from the dense layer's by [\d.]+ on average", out), out
     assert "bias" not in out.split("row_parallel_linear", 1)[1], out
     # issue 28: a partial fix says what it moved; an edit that changes nothing says so
-    status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)", "w_shard)"), capsys)
+    status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)   #", "w_shard)   #"), capsys)
     assert status == ex.BUGGY and "the output moved: on rank 0 of 2 its difference from the dense layer's is now " \
                                   "the negative of the shipped cell's" in message, message
     status, message = grade("row_parallel_linear", buggy + "# looked at it\n", capsys)
@@ -517,7 +517,7 @@ def test_tensor_parallel_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     for wrong_bias, feedback in (("bias / comm.get_world_size()", r"on rank 0 of 2 the gradient of the bias is 0\.50x "
                                                                   r"the dense layer's in norm"),
                                  ("bias if comm.get_rank() == 0 else None", r"on rank 1 of 2 the bias gets no gradient")):
-        status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)", f"w_shard, {wrong_bias})"), capsys)
+        status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)   #", f"w_shard, {wrong_bias})   #"), capsys)
         assert status == ex.BUGGY and re.search(r"the output equals the dense layer's, but " + feedback, message), message
     status, out = grade("row_parallel_linear", solution("row_parallel_linear"), capsys)
     assert status == ex.SOLVED and "the gradients of x_shard, w_shard and the bias equal the dense layer's" in out, out
