@@ -100,6 +100,38 @@ def test_a_changed_bug_lab_that_still_fails_says_it_was_checked(capsys):
     assert "4.00x the whole batch's" in message and ex.get("accumulate").status == ex.BUGGY
 
 
+FP16_CLIP = "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ... then the clip measures them\n"
+FP16_UNSCALE = "    scaler.unscale_(optimizer)                     # the true gradients first ...\n"
+
+
+def test_the_fp16_bug_labs_symptom_is_what_a_log_shows_and_a_scaled_clip_is_told_what_it_does(capsys):
+    """Issue 28: as shipped (clip, then unscale) the 🐞 line says what the attendee would see, the norm the step
+    returns and how far the weights moved against torch's recipe, and names neither the loss scale nor the
+    cause. A clip of the still-scaled gradients at max_norm x S has the recipe's effect up to rounding: its
+    feedback says so, and that the norm it returns is still S times the true one."""
+    lab = ex.get("fp16_step")
+    lab.shipped = None                                   # the first source graded below is the cell as shipped
+    shipped = mutate("fp16_step", FP16_UNSCALE + FP16_CLIP, FP16_CLIP + FP16_UNSCALE)
+    status, out = grade("fp16_step", shipped, capsys)
+    assert status == ex.BUGGY and out.startswith("🐞 fp16_step, the bug to find: the step returns a gradient norm of "
+                                                 "1.145e+05 where torch's recipe, from the same start, returns 1.747 "
+                                                 "(65,536x as large), and after 3 steps the weights have moved 0.62x "
+                                                 "as far from their start as the recipe's"), out
+    assert "scale" not in out.lower() and not [c for c in lab.cause if c.lower() in out.lower()], out
+    scaled_clip = shipped.replace("clip_grad_norm_(model.parameters(), max_norm)",
+                                  "clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())")
+    status, message = grade("fp16_step", scaled_clip, capsys)
+    assert status == ex.BUGGY and "your change was checked" in message, message
+    assert re.search(r"your step's updates are now the recipe's up to rounding \(after 3 steps only [\d,]+ of "
+                     r"108,288 weights differ .*\), but the gradient norm it returns is still 65,536x the true one "
+                     r"\(1\.145e\+05 vs 1\.747\): it is measured on gradients that are still 65,536 times", message)
+    assert "shrinks" not in message and "drift" not in message, message  # the old, wrong account of its effect
+    rescaled = scaled_clip.replace("    return norm", "    return norm / scaler.get_scale()")
+    status, message = grade("fp16_step", rescaled, capsys)
+    assert status == ex.BUGGY and "the gradient norms are right, and after 3 steps the weights are the recipe's up " \
+                                  "to rounding, but not all of them" in message, message
+
+
 def test_a_cell_that_defines_nothing_is_named(capsys):
     status, message = grade("wire_bytes", "x = 1\n", capsys)
     assert status == ex.WRONG and "must define `wire_bytes`" in message
@@ -376,6 +408,13 @@ TP_LOCAL_WRONG = [
      r"y differs from x @ weight\.T by up to [\d.]+: it is the sum of all the partials"),
     ("row_parallel_forward", "weight.chunk(world, dim=1)", "weight.chunk(world, dim=0)",
      r"raised RuntimeError: .* same slice of its dim 1"),
+    # the transpose forgotten: the slices are right, the product is not (issue 28: it pointed at the slicing)
+    ("row_parallel_forward", "torch.nn.functional.linear(x_parts[i], w_parts[i])", "x_parts[i] @ w_parts[i]",
+     r"^(?!.*same slice)(?=.*cannot be multiplied \(4x3 and 8x3\)).*Your slices are the right ones, x_i \(4, 3\) and "
+     r"weight_i \(8, 3\), and rank i's partial output should be \(4, 8\), tokens by out features"),
+    ("row_parallel_forward", "torch.nn.functional.linear(x_parts[i], w_parts[i])", "w_parts[i] @ x_parts[i].T",
+     r"^(?!.*Cut weight).*rank 0's partial output has shape \(8, 4\), expected \(4, 8\): it holds the right numbers, "
+     r"transposed"),
 ]
 
 
@@ -391,6 +430,32 @@ def test_tensor_parallel_one_process_wrong_answers_get_their_feedback(name, old,
     assert status == ex.WRONG and re.search(feedback, message), message
 
 
+def test_tensor_parallel_feedback_sentences():
+    """Issue 28: the ranks' ratios read as a sentence (not "1.13, 2.1 (rank 0, 1, ...) times"), and a changed
+    row_parallel_linear says what it moved against the cell as shipped (removing the bias flips the sign of
+    the shipped difference at T = 2, the same numbers otherwise)."""
+    import torch
+
+    from labsupport.lab.nb04_tensor_parallel import _output_line, _times
+    assert _times([1.126, 2.1]) == "1.13x the dense one on rank 0 and 2.10x on rank 1"
+    assert _times([2.0, 2.0]) == "2.00x the dense one on both ranks"
+    assert _times([1, 2, 3]) == "1.00x the dense one on rank 0, 2.00x on rank 1 and 3.00x on rank 2"
+    want, b = torch.randn(5, 6), torch.randn(6) + 2
+    shipped = want + b
+    where = "on rank 0 of 2"
+    as_shipped = _output_line(shipped, want, shipped, where, changed=False)
+    assert re.fullmatch(r"on rank 0 of 2 the output differs from the dense layer's by [\d.]+ on average, up to "
+                        r"[\d.]+", as_shipped) and "bias" not in as_shipped
+    assert _output_line(shipped, want, shipped, where, changed=True).startswith(
+        "on rank 0 of 2 the output is still the one the cell as shipped gives: it differs")
+    removed = _output_line(want - b, want, shipped, where, changed=True)
+    assert removed.startswith("the output moved: on rank 0 of 2 its difference from the dense layer's is now the "
+                              "negative of the shipped cell's, the same size") and "bias" not in removed, removed
+    assert "is now 3.00 times the shipped cell's" in _output_line(want + 3 * b, want, shipped, where, changed=True)
+    assert re.search(r"now differs from the dense layer's by [\d.]+ on average, up to [\d.]+ \(as shipped: ",
+                     _output_line(want + b + torch.randn(5, 6), want, shipped, where, changed=True))
+
+
 TP_MLP_WRONG = [
     ("linear(h, w2)           # my partial sum of the full output\n    comm.all_reduce(y, \"sum\")                       "
      "# g: every rank now holds the sum\n    return y + b2",
@@ -404,11 +469,14 @@ TP_MLP_WRONG = [
 
 CONJUGATE_WRONG = [
     ('if op == "f":', 'if op in ("f", "g"):',
-     r"the forward is right, but x's gradient is 2, 2 \(rank 0, 1, \.\.\.\) .* g's backward summed"),
+     r"the forward is right, but x's gradient is 2\.00x the dense one on both ranks \(in norm\), and the weights' "
+     r"gradients are 2x the dense ones: g's backward summed"),
     ('        comm.all_reduce(grad, "sum")    # x', "        pass  # x",
-     r"x's gradient is [\d.]+, [\d.]+ .* f's backward must sum"),
+     r"x's gradient is [\d.]+x the dense one on (rank 0 and [\d.]+x on rank 1|both ranks) \(in norm\): each rank "
+     r"holds only .* f's backward must sum"),
     ('        comm.all_reduce(grad, "sum")    # x', '        comm.all_reduce(grad, "avg")    # x',
-     r"the trouble is in f's backward: .* summed, not averaged"),
+     r"x's gradient is 0\.50x the dense one on both ranks \(in norm\)\. The weights' gradients are right, so the "
+     r"trouble is in f's backward: .* summed, not averaged"),
     ('    if op == "f":', '    if op == "g":\n        comm.all_reduce(grad, "avg")\n    if op == "f":',
      r"the gradients are right, but backward made 2 all-reduces .* one is enough"),
 ]
@@ -428,15 +496,31 @@ def test_tensor_parallel_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
         assert status == ex.WRONG and re.search(feedback, message), (new, message)
     swapped = mutate("conjugate_backward", 'if op == "f":', 'if op == "g":')  # f's backward and g's exchanged
     status, message = grade("conjugate_backward", swapped, capsys)
-    assert status == ex.WRONG and "the forward is right" in message and "g's backward summed" in message, message
+    assert status == ex.WRONG and re.search(r"the forward is right, but x's gradient is [\d.]+x the dense one on rank 0 "
+                                            r"and [\d.]+x on rank 1 \(in norm\), and the weights' gradients are 2x "
+                                            r"the dense ones: g's backward summed", message), message
     # the row-parallel bias added before the all-reduce: the symptom is the difference, not its cause
+    ex.get("row_parallel_linear").shipped = None     # `buggy` below is the cell as shipped
     buggy = mutate("row_parallel_linear", "linear(x_shard, w_shard)", "linear(x_shard, w_shard, bias)").replace(
         "    return y + bias", "    return y")
     status, out = grade("row_parallel_linear", buggy, capsys)
     assert status == ex.BUGGY and "🐞 row_parallel_linear" in out, out
     assert re.search(r"on rank \d of 2 the output differs from the dense layer's by [\d.]+ on average", out), out
     assert "bias" not in out.split("row_parallel_linear", 1)[1], out
-    assert grade("row_parallel_linear", solution("row_parallel_linear"), capsys)[0] == ex.SOLVED
+    # issue 28: a partial fix says what it moved; an edit that changes nothing says so
+    status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)   #", "w_shard)   #"), capsys)
+    assert status == ex.BUGGY and "the output moved: on rank 0 of 2 its difference from the dense layer's is now " \
+                                  "the negative of the shipped cell's" in message, message
+    status, message = grade("row_parallel_linear", buggy + "# looked at it\n", capsys)
+    assert status == ex.BUGGY and "the output is still the one the cell as shipped gives" in message, message
+    # issue 28: fixes that get the output right but not what the bias learns do not pass
+    for wrong_bias, feedback in (("bias / comm.get_world_size()", r"on rank 0 of 2 the gradient of the bias is 0\.50x "
+                                                                  r"the dense layer's in norm"),
+                                 ("bias if comm.get_rank() == 0 else None", r"on rank 1 of 2 the bias gets no gradient")):
+        status, message = grade("row_parallel_linear", buggy.replace("w_shard, bias)   #", f"w_shard, {wrong_bias})   #"), capsys)
+        assert status == ex.BUGGY and re.search(r"the output equals the dense layer's, but " + feedback, message), message
+    status, out = grade("row_parallel_linear", solution("row_parallel_linear"), capsys)
+    assert status == ex.SOLVED and "the gradients of x_shard, w_shard and the bias equal the dense layer's" in out, out
     template = "def conjugate_backward(op, grad):\n    raise NotImplementedError\n"
     assert grade("conjugate_backward", template, capsys)[0] == ex.UNSOLVED
 

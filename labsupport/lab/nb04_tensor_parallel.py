@@ -8,13 +8,17 @@ the lab.
 
 The one-process checks compare with `torch.nn.functional.linear` on the whole matrix. The checks
 on ranks build the dense layer on every rank from the same seed, hand each rank its slices, and
-compare with the dense result there; they also count the collectives (labsupport.comm), since a
-right value bought with a needless all-reduce is a lesson too.
+compare with the dense result there (the bug lab and the backward exercise compare the gradients
+too: a layer can be right in its output and wrong in what it learns); they also count the
+collectives (labsupport.comm), since a right value bought with a needless all-reduce is a lesson too.
 """
 from __future__ import annotations
 
+import re
+import warnings
+
 from . import on_ranks
-from .exercise import Exercise, Unsolved, Wrong, attempt, register
+from .exercise import EXERCISES, Exercise, Unsolved, Wrong, attempt, register
 
 RANKS = 2
 HANG = "Every rank must make the same collective calls, on tensors of the same shapes"
@@ -35,14 +39,22 @@ def _shape(t) -> str:
 
 
 def _try(name, fn, advice, **args):
-    """The attendee's function on one case; an exception becomes feedback naming the shapes."""
+    """The attendee's function on one case; an exception becomes feedback naming the shapes. `advice` is a
+    string, or a function of the exception that returns one."""
     try:
         return attempt(fn, *args.values())
     except (Wrong, Unsolved):
         raise
     except Exception as e:
         shown = ", ".join(f"{k} {_shape(v)}" if hasattr(v, "shape") else str(v) for k, v in args.items())
-        raise Wrong(f"{name}({shown}) raised {type(e).__name__}: {e}. {advice}") from None
+        raise Wrong(f"{name}({shown}) raised {type(e).__name__}: {e}. "
+                    f"{advice(e) if callable(advice) else advice}") from None
+
+
+def _multiplied(error) -> list[tuple[int, int]]:
+    """The two shapes a failed matrix product names ("mat1 and mat2 shapes cannot be multiplied (4x3 and 8x3)")."""
+    m = re.search(r"\((\d+)x(\d+) and (\d+)x(\d+)\)", str(error))
+    return [(int(m[1]), int(m[2])), (int(m[3]), int(m[4]))] if m else []
 
 
 # ---------------------------------------------------------------- one process: split by columns
@@ -117,9 +129,18 @@ def grade_row_parallel(fn, source) -> str:
         x, w, _ = _linear_case(tokens, d_in, d_out, 10 + seed)
         want = F.linear(x, w)
         partial_want = [F.linear(xi, wi) for xi, wi in zip(x.chunk(world, dim=-1), w.chunk(world, dim=1))]
-        got = _try("row_parallel_forward", fn,
-                   "Rank i's inputs are a slice of x's last dimension; the weight's matching piece is the same "
-                   "slice of its dim 1 (a torch Linear's weight is (out, in))", x=x, weight=w, world=world)
+        k = d_in // world
+
+        def advice(error, tokens=tokens, d_out=d_out, k=k):
+            if _multiplied(error) in ([(tokens, k), (d_out, k)], [(d_out, k), (tokens, k)]):
+                # the slices are right; the product meets them along the wrong dimensions
+                return (f"Your slices are the right ones, x_i ({tokens}, {k}) and weight_i ({d_out}, {k}), and rank "
+                        f"i's partial output should be ({tokens}, {d_out}), tokens by out features. For that the "
+                        f"product adds over the {k} inputs, dim 1 of x_i and dim 1 of weight_i (torch stores a "
+                        f"Linear's weight as (out, in)); yours pairs dimensions of different sizes")
+            return ("Rank i's inputs are a slice of x's last dimension; the weight's matching piece is the same "
+                    "slice of its dim 1 (a torch Linear's weight is (out, in))")
+        got = _try("row_parallel_forward", fn, advice, x=x, weight=w, world=world)
         if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (list, tuple))):
             raise Wrong("row_parallel_forward should return (partials, y): the list of the ranks' partial outputs "
                         "and their sum")
@@ -129,7 +150,10 @@ def grade_row_parallel(fn, source) -> str:
         for i, (p, p_want) in enumerate(zip(partials, partial_want)):
             if p.shape != p_want.shape:
                 hint = ""
-                if p.shape[-1] != d_out:
+                if p.shape == p_want.shape[::-1] and torch.allclose(p.T, p_want, atol=1e-5):
+                    hint = (": it holds the right numbers, transposed (out features by tokens); like F.linear's, a "
+                            "partial output keeps the tokens first")
+                elif p.shape[-1] != d_out:
                     hint = (": a row-parallel rank produces all out features, as a partial sum. Cut weight along "
                             "dim 1 (its inputs) and x along its last dimension, the same way")
                 raise Wrong(f"rank {i}'s partial output has shape {_shape(p)}, expected {_shape(p_want)}{hint}")
@@ -165,7 +189,42 @@ def row_parallel_forward(x, weight, world):
 
 # ---------------------------------------------------------------- find the bug: the bias before the all-reduce
 
-def check_row_parallel_linear(row_parallel_linear) -> dict:
+def _as_shipped(x, w, b, world):
+    """What the cell as shipped returns on every rank: each rank's F.linear(x_shard, w_shard, bias), summed by
+    the all-reduce. A changed cell's output is compared with it, so that a partial fix says what it moved."""
+    import torch.nn.functional as F
+    return sum(F.linear(xi, wi, b) for xi, wi in zip(x.chunk(world, -1), w.chunk(world, 1)))
+
+
+def _output_line(y, want, shipped, where: str, changed: bool) -> str:
+    """How the output differs from the dense layer's: its size; after a change, also against the cell as shipped
+    (unmoved, a multiple of the shipped difference, or another difference)."""
+    import torch
+    diff, diff_shipped = y - want, shipped - want
+
+    def size(d):
+        return f"{d.abs().mean().item():.3g} on average, up to {d.abs().max().item():.3g}"
+    if not changed:
+        return f"{where} the output differs from the dense layer's by {size(diff)}"
+    if torch.allclose(y, shipped, atol=1e-4):
+        return (f"{where} the output is still the one the cell as shipped gives: it differs from the dense layer's "
+                f"by {size(diff)}")
+    c = ((diff * diff_shipped).sum() / (diff_shipped * diff_shipped).sum()).item()
+    if torch.allclose(diff, c * diff_shipped, atol=1e-4):
+        if abs(c + 1) < 1e-3:
+            return (f"the output moved: {where} its difference from the dense layer's is now the negative of the "
+                    f"shipped cell's, the same size ({size(diff)}) with the opposite sign")
+        return (f"the output moved: {where} its difference from the dense layer's is now {c:.2f} times the shipped "
+                f"cell's ({size(diff)}; as shipped: {size(diff_shipped)})")
+    return (f"the output moved: {where} it now differs from the dense layer's by {size(diff)} (as shipped: "
+            f"{size(diff_shipped)})")
+
+
+def check_row_parallel_linear(row_parallel_linear, changed=False) -> dict:
+    """The attendee's layer on this rank's slices against the dense layer: the output, then the gradients of
+    x_shard, w_shard and the bias under a loss that weighs every output differently (a bias added T times, or
+    divided by T before the sum, or on one rank only, shows in one or the other). The all-reduce is not
+    differentiable to autograd, which passes the gradient through it unchanged: Megatron's g does the same."""
     import torch
     import torch.nn.functional as F
 
@@ -173,24 +232,50 @@ def check_row_parallel_linear(row_parallel_linear) -> dict:
     rank, world = comm.get_rank(), comm.get_world_size()
     gen = torch.Generator().manual_seed(7)
     x, w, b = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen) + 2
-    out = on_ranks.on_rank(row_parallel_linear, x.chunk(world, -1)[rank].clone(), w.chunk(world, 1)[rank].clone(),
-                           b.clone())
+    mine = [x.chunk(world, -1)[rank].clone().requires_grad_(), w.chunk(world, 1)[rank].clone().requires_grad_(),
+            b.clone().requires_grad_()]
+    out = on_ranks.on_rank(row_parallel_linear, *mine)
     if out["status"] != "ok":
         return out
     y, want = out["value"], F.linear(x, w, b)
+    where = f"on rank {rank} of {world}"
     if not isinstance(y, torch.Tensor) or y.shape != want.shape:
         return {"status": "wrong", "message": f"on rank {rank} the output is not a {_shape(want)} tensor"}
-    if not torch.allclose(y, want, atol=1e-4):
-        diff = (y - want).abs()
-        return {"status": "wrong", "message": f"on rank {rank} of {world} the output differs from the dense layer's "
-                                              f"by {diff.mean().item():.3g} on average, up to {diff.max().item():.3g}"}
+    if not torch.allclose(y.detach(), want, atol=1e-4):
+        return {"status": "wrong",
+                "message": _output_line(y.detach(), want, _as_shipped(x, w, b, world), where, changed)}
+    if not y.requires_grad:
+        return {"status": "wrong", "message": f"the output equals the dense layer's, but {where} it carries no "
+                                              "gradient back to x_shard, w_shard or the bias (no requires_grad)"}
+    target = torch.linspace(-1, 1, y.numel()).view_as(y)
+    with warnings.catch_warnings():  # torch warns that c10d's all-reduce has no backward; the identity is meant
+        warnings.filterwarnings("ignore", message=r"c10d::allreduce_")
+        back = on_ranks.on_rank(lambda: (y * target).sum().backward())
+    if back["status"] != "ok":
+        return back
+    dense = [t.clone().requires_grad_() for t in (x, w, b)]
+    (F.linear(*dense) * target).sum().backward()
+    wanted = (("x_shard", dense[0].grad.chunk(world, -1)[rank]), ("w_shard", dense[1].grad.chunk(world, 1)[rank]),
+              ("the bias", dense[2].grad))
+    for (name, grad_want), t in zip(wanted, mine):
+        if t.grad is None:
+            return {"status": "wrong", "message": f"the output equals the dense layer's, but {where} {name} gets no "
+                                                  "gradient"}
+        if not torch.allclose(t.grad, grad_want, atol=1e-4):
+            ratio = (t.grad.norm() / grad_want.norm()).item()
+            whose = "the dense layer's" if name == "the bias" else "the dense layer's (its slice)"
+            return {"status": "wrong", "message": f"the output equals the dense layer's, but {where} the gradient of "
+                                                  f"{name} is {ratio:.2f}x {whose} in norm"}
     return {"status": "ok"}
 
 
 def grade_row_parallel_linear(fn, source) -> str:
-    return on_ranks.grade(source, __name__, "check_row_parallel_linear(row_parallel_linear)", RANKS,
-                          "the output equals the dense layer's on both ranks: the bias is added once, after the sum",
-                          HANG, timeout=30)
+    shipped = EXERCISES["row_parallel_linear"].shipped   # set by exercise.grade before it calls this
+    changed = shipped is not None and source != shipped
+    return on_ranks.grade(source, __name__, f"check_row_parallel_linear(row_parallel_linear, changed={changed})",
+                          RANKS, "on both ranks the output and the gradients of x_shard, w_shard and the bias equal "
+                          "the dense layer's: the bias counts once, in the output and in its gradient", HANG,
+                          timeout=30)
 
 
 register(Exercise(
@@ -210,7 +295,11 @@ register(Exercise(
             "much, the same in every row whatever the input. A row-parallel layer multiplies without its bias, "
             "all-reduces, and adds the bias once, after the sum; Megatron's RowParallelLinear adds it after "
             "reduce_from_tensor_model_parallel_region (or hands it back unadded, skip_bias_add, for a fused kernel "
-            "to add). A column-parallel layer's bias is another matter: each rank's output columns are its own, so "
+            "to add). Two other fixes give the right output and are still wrong: dividing the bias by T inside every "
+            "rank's F.linear leaves each rank's bias a gradient T times too small (a change to it moves the output "
+            "1/T as much), and adding it on one rank only leaves the other ranks' copies without a gradient, so "
+            "the copies drift apart from the first step on; the check compares the gradients for that reason. A "
+            "column-parallel layer's bias is another matter: each rank's output columns are its own, so "
             "its slice of the bias goes with them, as in the first exercise.\n"
             "Why step 0 agreed: TinyGPT, like GPT-2, starts its biases at zero, and T x 0 = 0. The error grows as the "
             "biases learn, and with T, which is why the strategy's equivalence tests start from random biases."),
@@ -307,6 +396,16 @@ def tp_mlp_forward(x, w1, b1, w2, b2):
 
 # ---------------------------------------------------------------- on ranks: the backward of f and g
 
+def _times(ratios) -> str:
+    """The ranks' ratios to the dense gradient as a sentence: "1.13x the dense one on rank 0 and 2.10x on rank 1",
+    or "2.00x the dense one on both ranks" where they agree to the digits shown."""
+    shown = [f"{r:.2f}x" for r in ratios]
+    if len(set(shown)) == 1:
+        return f"{shown[0]} the dense one on {'both ranks' if len(shown) == 2 else 'every rank'}"
+    parts = [f"{shown[0]} the dense one on rank 0"] + [f"{r} on rank {i}" for i, r in enumerate(shown[1:], 1)]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def check_conjugate_backward(conjugate_backward) -> dict:
     """Y = g(gelu(f(x) W1_i^T) W2_i^T) with the attendee's backward of f and of g: x's and the weights'
     gradients must be the dense model's (each rank its slice), with one all-reduce in backward."""
@@ -358,27 +457,26 @@ def check_conjugate_backward(conjugate_backward) -> dict:
     want_w1 = wd[0].grad.chunk(world, 0)[rank]
     w_ratio = (w1.grad.norm() / want_w1.norm()).item()
     if not torch.allclose(x.grad, xd.grad, atol=1e-4):
-        listed = ", ".join(f"{r:.3g}" for r in ratios.tolist())
         if abs(w_ratio - world) < 1e-3:
-            why = (f"and the weights' gradients are {world}x too: g's backward summed a gradient that every rank "
-                   "already holds whole. g's backward is the identity")
+            why = (f", and the weights' gradients are {world}x the dense ones: g's backward summed a gradient that "
+                   "every rank already holds whole. g's backward is the identity")
         elif abs(w_ratio - 1 / world) < 1e-3:
-            why = ("and the weights' gradients are 1/T of the dense ones: g's output gradient is already the "
+            why = (", and the weights' gradients are 1/T of the dense ones: g's output gradient is already the "
                    "whole one on every rank; leave it as it is")
         elif extra == 0:
-            why = ("each rank holds only its own heads'/units' contribution to x's gradient: f's backward must sum "
-                   "them over the ranks (an all-reduce)")
+            why = (": each rank holds only its own heads'/units' contribution to x's gradient, and f's backward must "
+                   "sum them over the ranks (an all-reduce)")
         elif not torch.allclose(w1.grad, want_w1, atol=1e-4):
-            why = f"and the weights' gradients are {w_ratio:.3g}x the dense ones"
+            why = f", and the weights' gradients are {w_ratio:.2f}x the dense ones"
         else:
-            why = ("the weights' gradients are right, so the trouble is in f's backward: the ranks' contributions "
+            why = (". The weights' gradients are right, so the trouble is in f's backward: the ranks' contributions "
                    "to x's gradient must be summed, not averaged")
-        return {"status": "wrong", "message": f"the forward is right, but x's gradient is {listed} (rank 0, 1, ...) "
-                                              f"times the dense one in norm: {why}"}
+        return {"status": "wrong", "message": f"the forward is right, but x's gradient is {_times(ratios.tolist())} "
+                                              f"(in norm){why}"}
     for name, p, want in (("W1", w1, want_w1), ("W2", w2, wd[2].grad.chunk(world, 1)[rank]), ("b2", b2, wd[3].grad)):
         if not torch.allclose(p.grad, want, atol=1e-4):
             return {"status": "wrong", "message": f"x's gradient is right, but on rank {rank} {name}'s gradient is "
-                                                  f"{(p.grad.norm() / want.norm()).item():.3g}x the dense one's "
+                                                  f"{(p.grad.norm() / want.norm()).item():.2f}x the dense one's "
                                                   "(its slice) in norm"}
     if extra != 1:
         return {"status": "wrong", "message": f"the gradients are right, but backward made {extra} all-reduces on "
