@@ -342,13 +342,16 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     log_every = args.log_every or max(1, args.steps // 10)
     tokens_per_step = args.global_batch * cfg.seq_len
     step_times, val_losses = [], []
-    # Two lines of at most about 90 characters with the "[rank 0] " prefix: what trains, then how the global
+    # Two lines, usually under 90 characters with the "[rank 0] " prefix: what trains, then how the global
     # batch is made (one line of 150 was broken wherever the output area ended, issue 28).
     accumulation = args.global_batch // (dp_size * micro)
-    steps = f"steps {start_step + 1} to {args.steps}" if start_step else f"{args.steps} steps"
+    steps = f"steps {start_step + 1} to {args.steps}" if start_step else _count(args.steps, "step")
     rt.print(f"training {cfg.name} ({count_params(cfg):,} parameters): {args.strategy} on "
              f"{_count(rt.world_size, 'rank')}, {steps}")
-    rt.print(f"global batch {args.global_batch} = micro-batch {micro} x {_count(accumulation, 'accumulation step')} "
+    # With a pipeline the micro-batches of a step flow through the stages together (m), not one after another
+    per_replica = (f"{accumulation} micro-batch{'es' if accumulation > 1 else ''} per pipeline" if config.pp > 1
+                   else _count(accumulation, "accumulation step"))
+    rt.print(f"global batch {args.global_batch} = micro-batch {micro} x {per_replica} "
              f"x {_count(dp_size, 'data-parallel rank')}")
     for step in range(start_step, args.steps):
         lr = lr_at(step, args)
