@@ -203,47 +203,68 @@ def _fp16_run(step):
     return norms, start, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-@functools.lru_cache(maxsize=1)
-def _reference_fp16_run():
-    """The reference's run, the same on every check: computed once."""
-    return _fp16_run(reference_fp16_step)
+def scaled_clip_fp16_step(model, optimizer, scaler, x, y, max_norm=1.0):
+    """The recipe with its clip moved before the unscale, at max_norm x S: what an attendee who saw the
+    shipped norm tries next. scaler.step unscales what the clip left."""
+    import torch
+
+    from ..model import lm_loss
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = lm_loss(model(x), y)
+    scaler.scale(loss).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_fp16_run(step):
+    """A reference step's run, the same on every check: computed once."""
+    return _fp16_run(step)
 
 
 def grade_fp16_step(fn, source) -> str:
     """Three fp16 steps of nano from the same start: the attendee's and the reference's must return the
-    same gradient norms and leave the same weights. The feedback says what the attendee would see: the
-    norm the step returns (what a log shows) and how far the weights moved, against the recipe's.
+    same gradient norms and leave the same weights (to 1e-6). The feedback says what the attendee would
+    see: the norm the step returns (what a log shows) and how far the weights moved, against the recipe's.
 
-    The weights must match to 1e-6. A step that clips the still-scaled gradients at max_norm x S has the
-    recipe's effect up to rounding: on the check's data its weights agree to 4e-9 after one step; fp16's
-    forward passes and Adam (which divides each gradient by its own size) magnify that, so after 3 steps
-    about 3 % of them differ by more than 1e-6 (up to 2e-3). A step that clips wrongly, or not at all,
-    changes nearly all of them (the shipped bug: 98 %; no clip: 96 %)."""
+    One answer gets its own account: the clip of the still-scaled gradients at max_norm x S, recognised by
+    its weights (scaled_clip_fp16_step's run). It is the recipe's clip but for clip_grad_norm_'s 1e-6
+    guard against a zero norm, which weighs S times less beside the scaled norm: the clip factor differs by
+    about 1e-6 / norm, the first step's weights by 4e-9, and fp16's forward passes and Adam (which divides
+    each gradient by its own size) magnify that over the next two steps, so a few % of the weights end
+    more than 1e-6 away. Multiplying by S is exact in fp32: the order alone changes nothing else."""
     import torch
     norms, start, weights = _fp16_run(fn)
-    want, _, ref_weights = _reference_fp16_run()
+    want, _, ref_weights = _cached_fp16_run(reference_fp16_step)
     ratio = norms[0] / want[0]
-    off = (weights - ref_weights).abs() > 1e-6
-    rounding = off.float().mean().item() < 0.25  # the recipe's updates, but for rounding
-    far = ((weights - start).norm() / (ref_weights - start).norm()).item()
+    recipes = torch.allclose(weights, ref_weights, rtol=0, atol=1e-6)
+    off = int(((weights - ref_weights).abs() > 1e-6).sum())
+    scaled_clip = torch.allclose(weights, _cached_fp16_run(scaled_clip_fp16_step)[2], rtol=0, atol=1e-6)
+    returns = (f"the step returns a gradient norm of {norms[0]:.4g} where torch's recipe, from the same start, "
+               f"returns {want[0]:.4g}")
+    if scaled_clip and not recipes:
+        norm_line = ("" if abs(ratio - 1) <= 1e-3 else
+                     f" The norm it returns, {norms[0]:.4g}, is {ratio:,.0f} times the recipe's {want[0]:.4g}: "
+                     "it is measured before the unscale.")
+        raise Wrong(f"your step clips the still-scaled gradients at max_norm x S. That is the recipe's clip but for "
+                    f"clip_grad_norm_'s 1e-6 guard against a zero norm, which weighs S times less beside the scaled "
+                    f"norm: the first step agrees to about 4e-9, and fp16's forward passes and Adam magnify that, so "
+                    f"after 3 steps {off:,} of {weights.numel():,} weights differ from the recipe's by more than "
+                    f"1e-6.{norm_line} The check asks for the recipe's order: unscale, then clip at max_norm")
     if abs(ratio - 1) > 1e-3:
-        if rounding:
-            raise Wrong(f"your step's updates are now the recipe's up to rounding (after 3 steps only "
-                        f"{int(off.sum()):,} of {off.numel():,} weights differ from the recipe's by more than 1e-6), "
-                        f"but the gradient norm it returns is still {ratio:,.0f}x the true one ({norms[0]:.4g} vs "
-                        f"{want[0]:.4g}): it is measured on gradients that are still {ratio:,.0f} times the true ones")
-        raise Wrong(f"the step returns a gradient norm of {norms[0]:.4g} where torch's recipe, from the same start, "
-                    f"returns {want[0]:.4g} ({ratio:,.0f}x as large), and after 3 steps the weights have moved "
-                    f"{far:.2f}x as far from their start as the recipe's")
-    if not torch.allclose(weights, ref_weights, rtol=0, atol=1e-6):
-        if rounding:
-            raise Wrong(f"the gradient norms are right, and after 3 steps the weights are the recipe's up to "
-                        f"rounding, but not all of them: {int(off.sum()):,} of {off.numel():,} differ by more than "
-                        "1e-6 (the first step agrees to rounding; fp16's forward passes and Adam, which divides "
-                        "each gradient by its own size, magnify that in the next two). The check asks for the "
-                        "recipe's own order of operations, whose clip compares the true norm with max_norm itself")
-        raise Wrong("the gradient norms are right, but the weights after 3 steps differ from the reference's: "
-                    "does every step update, unscaled and clipped, and clear the gradients?")
+        if recipes:
+            raise Wrong(f"your step's updates are the recipe's, but {returns} (the unscaled gradients' norm, "
+                        "before the clip)")
+        far = ((weights - start).norm() / (ref_weights - start).norm()).item()
+        raise Wrong(f"{returns}, and after 3 steps the weights have moved {far:.2f}x as far from their start as "
+                    "the recipe's")
+    if not recipes:
+        raise Wrong(f"the gradient norms are right, but after 3 steps {off:,} of {weights.numel():,} weights differ "
+                    "from the reference's by more than 1e-6: does every step update, unscaled and clipped, and "
+                    "clear the gradients?")
     return f"unscaled before the clip: true gradient norms ({want[0]:.3f}, ...), weights as the reference's"
 
 

@@ -260,7 +260,7 @@ def check_clip_sharded(clip_sharded_) -> dict:
     if not torch.allclose(shard, whole[start:end] * scale, rtol=1e-5, atol=1e-8):
         each = [f"{s:.3g}x on rank {r}" for r, s in enumerate(scales.tolist())]
         listed = ", ".join(each[:-1]) + f" and {each[-1]}"
-        return {"status": "wrong", "message": f"the ranks scaled their shards by {listed}; "
+        return {"status": "wrong", "message": f"the ranks changed their shards' norms by {listed}; "
                                               f"clipping the whole gradient (norm {norm:.3g}) to {MAX_NORM:g} "
                                               f"scales every element by {scale:.3g}. Rank {rank} returned the "
                                               f"norm {returned:.3g}"}

@@ -134,7 +134,7 @@ def grade_row_parallel(fn, source) -> str:
         def advice(error, tokens=tokens, d_out=d_out, k=k):
             if _multiplied(error) in ([(tokens, k), (d_out, k)], [(d_out, k), (tokens, k)]):
                 # the slices are right; the product meets them along the wrong dimensions
-                return (f"Your slices are the right ones, x_i ({tokens}, {k}) and weight_i ({d_out}, {k}), and rank "
+                return (f"Your slices have the right shapes, x_i ({tokens}, {k}) and weight_i ({d_out}, {k}), and rank "
                         f"i's partial output should be ({tokens}, {d_out}), tokens by out features. For that the "
                         f"product adds over the {k} inputs, dim 1 of x_i and dim 1 of weight_i (torch stores a "
                         f"Linear's weight as (out, in)); yours pairs dimensions of different sizes")
@@ -295,10 +295,13 @@ register(Exercise(
             "much, the same in every row whatever the input. A row-parallel layer multiplies without its bias, "
             "all-reduces, and adds the bias once, after the sum; Megatron's RowParallelLinear adds it after "
             "reduce_from_tensor_model_parallel_region (or hands it back unadded, skip_bias_add, for a fused kernel "
-            "to add). Two other fixes give the right output and are still wrong: dividing the bias by T inside every "
-            "rank's F.linear leaves each rank's bias a gradient T times too small (a change to it moves the output "
-            "1/T as much), and adding it on one rank only leaves the other ranks' copies without a gradient, so "
-            "the copies drift apart from the first step on; the check compares the gradients for that reason. A "
+            "to add). Two other fixes give the right output and are still wrong, which is why the check compares the "
+            "gradients too: dividing the bias by T inside every rank's F.linear gives each rank's bias a gradient T "
+            "times too small (with SGD the bias would learn T times slower; Adam, which divides a gradient by its "
+            "own size, hides most of that, as notebook 01 showed); adding it on one rank only trains like the dense "
+            "layer, but leaves the other T - 1 copies without a gradient, stale, while Megatron keeps every copy of "
+            "a replicated parameter identical (a checkpoint or anything else reading another rank's copy gets the "
+            "initial bias). A "
             "column-parallel layer's bias is another matter: each rank's output columns are its own, so "
             "its slice of the bias goes with them, as in the first exercise.\n"
             "Why step 0 agreed: TinyGPT, like GPT-2, starts its biases at zero, and T x 0 = 0. The error grows as the "
