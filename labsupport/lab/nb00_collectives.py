@@ -198,7 +198,7 @@ MEAN_LOSS_LESSON = paragraphs(
     "every rank; let rank 0 alone print or write.")
 
 register(Exercise(
-    name="mean_loss", notebook="00", title="Find the bug: the loss that is logged only on rank 0", ranks=2,
+    name="mean_loss", notebook="00", title="Find the bug: logging the mean loss hangs", ranks=2,
     grade=grade_mean_loss, bug_lab=True, lesson=MEAN_LOSS_LESSON,
     cause=("only rank 0", "rank 0 alone", "rank 0 calls", "one rank skips", "nobody joins", "never joins",
            "one rank make alone", "one rank makes alone",

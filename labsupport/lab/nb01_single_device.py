@@ -269,7 +269,7 @@ def grade_fp16_step(fn, source) -> str:
 
 
 register(Exercise(
-    name="fp16_step", notebook="01", title="Find the bug: an fp16 step that clips the scaled gradients",
+    name="fp16_step", notebook="01", title="Find the bug: an fp16 step with a gradient clip",
     grade=grade_fp16_step, bug_lab=True,
     cause=("unscale first", "unscale_ first", "unscale before", "before unscal", "before it unscales",
            "clips the scaled", "scaled gradients", "clip by the true", "the clip measures the scaled"),
