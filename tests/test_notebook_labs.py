@@ -159,6 +159,21 @@ def test_stored_outputs_are_clean(path):
             text = json.dumps(output)
             assert not re.search(r"(?<![\w.])/(work|tmp|root|home)/", text), f"{path.name}: an absolute path: {text[:200]}"
             assert "VBox(" not in text, f"{path.name}: a widget's text repr is stored"
+            stale_output_lines(path, output)
+
+
+FEEDBACK_START = ("✔", "○", "🐞", "✘", "🔒", "hint ")
+
+
+def stale_output_lines(path, output) -> None:
+    """A stored output printed by code older than the notebook's (issue 28: 02-04 kept feedback from before it
+    was wrapped): feedback lines wider than exercise.WIDTH, or the training launch line's old one-line form."""
+    text = "".join(output.get("text", ""))
+    for line in text.splitlines():
+        assert not (line.startswith(FEEDBACK_START) and len(line) > ex.WIDTH), \
+            f"{path.name}: a stored feedback line of {len(line)} characters, not wrapped: re-execute it: {line[:80]!r}"
+        assert not re.search(r"rank\(s\), global batch", line), \
+            f"{path.name}: the launch line's old form is stored: re-execute the notebook: {line[:80]!r}"
 
 
 @pytest.mark.multiprocess
