@@ -838,7 +838,12 @@ def test_online_softmax_merge_wrong_answers_get_their_feedback(old, new, feedbac
 RING_STEP_WRONG = [
     ("return out, merged, k_next, v_next", "return out, merged, k, v",
      r"after step 0 rank \d holds rank \d's K block; it should hold rank \d's, received from the previous rank"),
-    ("+ block_out * torch.exp", "+ 0 * block_out * torch.exp", r"the lse is right: check how the outputs are weighed"),
+    ("+ block_out * torch.exp", "+ 0 * block_out * torch.exp", r"the lse is right: check how the outputs are weighted"),
+    # newcomer pass: the block received attended instead of the one held, merged right; the merge was blamed
+    ("    block_out, block_lse = attend(q, k, v)",
+     "    for work in works:\n        work.wait()\n    block_out, block_lse = attend(q, k_next, v_next)",
+     r"in step 0 rank \d's result is what attending rank \d's block, the one it received, gives: a step computes "
+     r"with the block it holds at the start"),
     ("return out, merged, k_next, v_next", "return block_out, block_lse, k_next, v_next", r"by inf: .* do not replace them"),
 ]
 
@@ -849,6 +854,10 @@ DISPATCH_WRONG = [  # each message says what was checked, what was expected and 
     ("choice // (n_experts // ep)", "choice % ep",
      r"checked on rank \d with choice = \[.*\] \(4 experts, 2 a rank: expert e lives on rank e // 2\): "
      r"send_counts should be \[\d+, \d+\], yours is \[\d+, \d+\]"),
+    # newcomer pass: e // ep passed with 4 experts on 2 ranks (2 a rank, = ep); with 8 it sends to ranks 0 ... 3
+    ("choice // (n_experts // ep)", "choice // ep",
+     r"checked on rank \d with choice = \[.*\] \(8 experts, 4 a rank: expert e lives on rank e // 4\): "
+     r"send_counts should (hold 2 counts|be \[\d+, \d+\]), .*yours is \["),
     ("order = choice.argsort(stable=True)", "order = choice.argsort(stable=True)[:-1]",
      r"checked on rank \d, 12 tokens: order should hold each token index 0 \.\.\. 11 once, .*; yours is \["),
     # wrong on rank 1 only: rank 0 must not wait for it in an all-to-all; the verdict is rank 1's
@@ -888,7 +897,7 @@ def test_context_and_experts_exercises_and_bug_lab_on_two_ranks(pool2, capsys):
     for name in ("ring_step", "dispatch"):
         status, out = grade(name, solution(name), capsys)
         assert status == ex.SOLVED, out
-    assert "checked on 2 ranks, 12 tokens each: with your order and send_counts" in out, out
+    assert "checked on 2 ranks, 12 tokens each, with 4 experts and with 8: with your order and send_counts" in out, out
     for name, cases in (("ring_step", RING_STEP_WRONG), ("dispatch", DISPATCH_WRONG)):
         for old, new, feedback in cases:
             status, message = grade(name, mutate(name, old, new), capsys)

@@ -86,10 +86,10 @@ def grade_merge(fn, source) -> str:
             raise Wrong(f"with {what} the merged lse is not the log-sum-exp of all ten scores: {why}")
         if not torch.allclose(out, o_want, atol=1e-4, rtol=1e-4):
             if torch.allclose(out, (o1 + o2) / 2, atol=1e-4):
-                why = ("it is the plain mean of the two outputs; each must be weighed by the share of the softmax's "
+                why = ("it is the plain mean of the two outputs; each must be weighted by the share of the softmax's "
                        "sum its keys hold, exp(lse_i - lse)")
             elif torch.allclose(out, o1 + o2, atol=1e-4):
-                why = "it is o1 + o2; each output is normalised by its own sum: reweigh it by exp(lse_i - lse)"
+                why = "it is o1 + o2; each output is normalised by its own sum: reweight it by exp(lse_i - lse)"
             else:
                 why = f"it differs by up to {(out - o_want).abs().max().item():.3g}"
             raise Wrong(f"with {what} the lse is right but the merged output is not softmax(all scores) @ v: {why}")
@@ -145,6 +145,8 @@ def check_ring_step(ring_step) -> dict:
         if not (isinstance(got, tuple) and len(got) == 4):
             return {"status": "wrong", "message": "ring_step should return (out, lse, k, v): the merged result and "
                                                   "the K/V block received from the previous rank"}
+        held = (k_cur, v_cur)
+        out_before, lse_before = out, lse
         out, lse, k_cur, v_cur = got
         prev = (rank - step - 1) % cp
         if sent["send"] == 0 or sent["recv"] == 0:
@@ -157,6 +159,17 @@ def check_ring_step(ring_step) -> dict:
             return {"status": "wrong", "message": f"after step {step} rank {rank} holds {what}; it should hold rank "
                                                   f"{prev}'s, received from the previous rank (return the buffers "
                                                   "irecv filled, after waiting for them)"}
+        # the block held must be attended, not the one received (which is next step's): recognise that mistake
+        # by what attending the received block, merged into the result before the step, would have given
+        right = merge(out_before, lse_before, *attend_block(mine_q, *held))
+        if not (_close(out, right[0]) and _close(lse, right[1])):
+            arrived = merge(out_before, lse_before, *attend_block(mine_q, k_cur, v_cur))
+            if _close(out, arrived[0]) and _close(lse, arrived[1]):
+                return {"status": "wrong", "message": f"in step {step} rank {rank}'s result is what attending rank "
+                                                      f"{prev}'s block, the one it received, gives: a step computes "
+                                                      f"with the block it holds at the start (rank {owner}'s), "
+                                                      "while that block travels on; the block received is attended "
+                                                      "at the next step"}
     whole = q.shape[-2]
     want, lse_want = attend(q, k, v, torch.ones(whole, whole, dtype=torch.bool).tril())
     want, lse_want = _mine(want, rank, cp), lse_want.chunk(cp, dim=-1)[rank]
@@ -170,8 +183,14 @@ def check_ring_step(ring_step) -> dict:
     if not torch.allclose(out, want, atol=1e-5):
         return {"status": "wrong", "message": f"after {cp} steps rank {rank}'s output differs from dense causal "
                                               f"attention's rows by up to {(out - want).abs().max():.3g} "
-                                              "(the lse is right: check how the outputs are weighed)"}
+                                              "(the lse is right: check how the outputs are weighted)"}
     return {"status": "ok"}
+
+
+def _close(got, want) -> bool:
+    """Equal within rounding, -inf where the other is -inf (a row that sees no key yet)."""
+    import torch
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, atol=1e-5, equal_nan=True)
 
 
 def grade_ring_step(fn, source) -> str:
@@ -338,26 +357,27 @@ def causal_ring_attention(q, k, v):
 
 # ---------------------------------------------------------------- on ranks: the all-to-all's dispatch
 
-N_EXPERTS = 4
+EXPERTS = (4, 8)  # 2 experts a rank, then 4: where experts per rank and ranks differ, e // ep is not the rank
 
 
-def _dispatch_problem(got, choice, n_tokens: int, rank: int, ep: int) -> str | None:
+def _dispatch_problem(got, choice, n_tokens: int, rank: int, ep: int, n_experts: int) -> str | None:
     """What is wrong with the attendee's (order, send_counts) on this rank, before any row is sent."""
     import torch
     if not (isinstance(got, tuple) and len(got) == 2):
         return f"checked on rank {rank}: dispatch should return a pair (order, send_counts); it returned {got!r:.80}"
     order, send = torch.as_tensor(got[0]), [int(n) for n in got[1]]
-    per_rank = N_EXPERTS // ep
+    per_rank = n_experts // ep
+    experts = f"{n_experts} experts, {per_rank} a rank: expert e lives on rank e // {per_rank}"
     if sorted(order.tolist()) != list(range(n_tokens)):
         return (f"checked on rank {rank}, {n_tokens} tokens: order should hold each token index 0 ... {n_tokens - 1} "
                 f"once, in the order the rows are sent; yours is {order.tolist()}")
     if len(send) != ep or sum(send) != n_tokens:
-        return (f"checked on rank {rank}: send_counts should hold {ep} counts, one per rank, adding up to the "
-                f"{n_tokens} rows sent; yours is {send}")
+        return (f"checked on rank {rank} with choice = {choice.tolist()} ({experts}): send_counts should hold {ep} "
+                f"counts, one per rank, adding up to the {n_tokens} rows sent; yours is {send}")
     want = [int((choice // per_rank == r).sum()) for r in range(ep)]
     if send != want:
-        return (f"checked on rank {rank} with choice = {choice.tolist()} ({N_EXPERTS} experts, {per_rank} a rank: "
-                f"expert e lives on rank e // {per_rank}): send_counts should be {want}, yours is {send}")
+        return (f"checked on rank {rank} with choice = {choice.tolist()} ({experts}): send_counts should be {want}, "
+                f"yours is {send}")
     dest = (choice[order] // per_rank).tolist()
     if dest != sorted(dest):
         return (f"checked on rank {rank}: your send_counts {send} are right, but all_to_all_single sends the first "
@@ -366,58 +386,78 @@ def _dispatch_problem(got, choice, n_tokens: int, rank: int, ep: int) -> str | N
     return None
 
 
+def _agree(result: dict) -> dict | None:
+    """The verdict of this rank once every rank has told whether its answer failed: its own failure, ok
+    if another rank failed (that rank's message is the verdict), None if every rank may go on. So a rank
+    whose answer is wrong never leaves the others waiting in an all-to-all."""
+    import torch
+
+    from .. import comm
+    failed = torch.tensor([float(result["status"] != "ok")])
+    comm.all_reduce(failed, "sum")
+    if result["status"] != "ok":
+        return result
+    return {"status": "ok"} if failed.item() else None
+
+
 def check_dispatch(dispatch) -> dict:
-    """Each rank routes 12 tokens (top-1) to 4 experts, 2 per rank. With the attendee's (order,
-    send_counts) the rows go out by comm.all_to_all_single; each rank's experts scale their rows by
-    expert + 1 (each rank also sends the rows' expert numbers, so that a wrong rank is named); the
-    rows come back by the reverse all-to-all and are added to the tokens at `order`. The ranks agree
-    first that every rank's answer passed the checks made before sending, so that a rank whose answer
-    is wrong never leaves the others waiting in an all-to-all."""
+    """Each rank routes 12 tokens (top-1) to 4 experts, 2 per rank, then to 8 experts, 4 per rank (so
+    that an answer which takes the ranks for the experts per rank is caught). With the attendee's
+    (order, send_counts) the rows go out by comm.all_to_all_single; each rank's experts scale their
+    rows by expert + 1 (each rank also sends the rows' expert numbers, so that a wrong rank is named);
+    the rows come back by the reverse all-to-all and are added to the tokens at `order`. The ranks
+    agree after each part that every rank's answer passed, so that none waits in an all-to-all."""
     import torch
 
     from .. import comm
     rank, ep = comm.get_rank(), comm.get_world_size()
     g = torch.Generator().manual_seed(11 + rank)
-    tokens = torch.randn(12, 3, generator=g)
-    choice = torch.randint(0, N_EXPERTS, (12,), generator=g)
-    result = on_ranks.on_rank(dispatch, choice.clone(), N_EXPERTS, ep)
-    if result["status"] == "ok":
-        problem = _dispatch_problem(result["value"], choice, len(tokens), rank, ep)
-        if problem is not None:
-            result = {"status": "wrong", "message": problem}
-    failed = torch.tensor([float(result["status"] != "ok")])
-    comm.all_reduce(failed, "sum")
-    if result["status"] != "ok":
-        return result
-    if failed.item():
-        return {"status": "ok"}  # another rank's answer failed: its message is the verdict
-    order, send = torch.as_tensor(result["value"][0]), [int(n) for n in result["value"][1]]
-    per_rank = N_EXPERTS // ep
-    counts = torch.tensor(send)
-    recv = torch.empty_like(counts)
-    comm.all_to_all_single(recv, counts)
-    rows = torch.empty(int(recv.sum()), tokens.shape[1])
-    comm.all_to_all_single(rows, tokens[order], recv.tolist(), send)
-    experts = torch.empty(int(recv.sum()), dtype=torch.long)
-    comm.all_to_all_single(experts, choice[order], recv.tolist(), send)
-    own = list(range(rank * per_rank, (rank + 1) * per_rank))
-    if not all(int(e) in own for e in experts):
-        return {"status": "wrong", "message": f"checked on rank {rank}: the rows it receives should all be for its "
-                                              f"experts {own}; they were for experts {experts.tolist()}"}
-    back = torch.empty(len(tokens), tokens.shape[1])
-    comm.all_to_all_single(back, rows * (experts[:, None] + 1), send, recv.tolist())
-    out = torch.zeros_like(tokens).index_add(0, order, back)
-    bad = [i for i in range(len(tokens)) if not torch.allclose(out[i], tokens[i] * (choice[i] + 1))]
-    if bad:
-        return {"status": "wrong", "message": f"checked on rank {rank}: after the round trip token i should be back "
-                                              f"at place i, times its expert + 1; tokens {bad} are not"}
+    for n_experts in EXPERTS:
+        tokens = torch.randn(12, 3, generator=g)
+        choice = torch.randint(0, n_experts, (12,), generator=g)
+        result = on_ranks.on_rank(dispatch, choice.clone(), n_experts, ep)
+        if result["status"] == "ok":
+            problem = _dispatch_problem(result["value"], choice, len(tokens), rank, ep, n_experts)
+            if problem is not None:
+                result = {"status": "wrong", "message": problem}
+        verdict = _agree(result)
+        if verdict is not None:
+            return verdict
+        order, send = torch.as_tensor(result["value"][0]), [int(n) for n in result["value"][1]]
+        per_rank = n_experts // ep
+        counts = torch.tensor(send)
+        recv = torch.empty_like(counts)
+        comm.all_to_all_single(recv, counts)
+        rows = torch.empty(int(recv.sum()), tokens.shape[1])
+        comm.all_to_all_single(rows, tokens[order], recv.tolist(), send)
+        experts = torch.empty(int(recv.sum()), dtype=torch.long)
+        comm.all_to_all_single(experts, choice[order], recv.tolist(), send)
+        own = list(range(rank * per_rank, (rank + 1) * per_rank))
+        result = {"status": "ok"}
+        if not all(int(e) in own for e in experts):
+            result = {"status": "wrong", "message": f"checked on rank {rank} with {n_experts} experts: the rows it "
+                                                    f"receives should all be for its experts {own}; they were for "
+                                                    f"experts {experts.tolist()}"}
+        back = torch.empty(len(tokens), tokens.shape[1])
+        comm.all_to_all_single(back, rows * (experts[:, None] + 1), send, recv.tolist())
+        out = torch.zeros_like(tokens).index_add(0, order, back)
+        bad = [i for i in range(len(tokens)) if not torch.allclose(out[i], tokens[i] * (choice[i] + 1))]
+        if bad and result["status"] == "ok":
+            result = {"status": "wrong", "message": f"checked on rank {rank} with {n_experts} experts: after the "
+                                                    "round trip token i should be back at place i, times its expert "
+                                                    f"+ 1; tokens {bad} are not"}
+        verdict = _agree(result)
+        if verdict is not None:
+            return verdict
     return {"status": "ok"}
 
 
 def grade_dispatch(fn, source) -> str:
     return on_ranks.grade(source, __name__, "check_dispatch(dispatch)", RANKS,
-                          f"checked on {RANKS} ranks, 12 tokens each: with your order and send_counts every token's "
-                          "row reached its expert's rank in one all-to-all and came back to its own place",
+                          f"checked on {RANKS} ranks, 12 tokens each, with {EXPERTS[0]} experts and with {EXPERTS[1]}: with your "
+                          "order and "
+                          "send_counts every token's row reached its expert's rank in one all-to-all and came back "
+                          "to its own place",
                           "Every rank must make the same all-to-all calls", timeout=30)
 
 

@@ -258,7 +258,8 @@ class RingWidget(Stepper):
     """Step the K/V blocks around the ring: menus for the ranks and the split; reset, back, step, play.
 
     `step()`, `back()`, `reset()`, `goto(k)` and `select(cp=..., balanced=...)` work from Python;
-    `state_text()` is the per-rank readout under the picture. CSS classes: labsupport-ring (the whole
+    `goto(k)` counts the steps from 0 and the label from 1 (goto(1) shows "step 2 of cp"), so a cell
+    reads more plainly with `step()` from the first. `state_text()` is the per-rank readout under the picture. CSS classes: labsupport-ring (the whole
     widget), labsupport-ring-state, labsupport-ring-step, labsupport-ring-figure.
     """
 
