@@ -983,3 +983,29 @@ def test_make_lab_copies_the_notebooks_without_outputs_and_never_touches_a_copy(
     subprocess.run([*make, "OUTPUTS=keep"], check=True, capture_output=True)
     assert (work / "notebooks" / shipped[1].name).read_bytes() == shipped[1].read_bytes()
     assert mine.read_text() == "my work"
+
+
+@pytest.mark.parametrize("notebook, name, marker", [
+    ("04_tensor_parallel", "conjugate_backward", 'why="backward_op"'),   # which backward all-reduces, measured
+    ("05_pipeline_parallel", "one_f_one_b", 'schedule("1f1b", 2, 4)'),  # 1F1B's lists for p = 2, m = 4
+])
+def test_a_cell_under_an_exercise_that_prints_its_answer_is_locked_until_the_exercise_is_earned(notebook, name, marker,
+                                                                                        monkeypatch, capsys):
+    """Issue 28 (newcomer pass): after Run All on the attendee's copy the cell under conjugate_backward printed what
+    f's and g's backward do, and the one under one_f_one_b printed 1F1B's lists: each exercise's answer. Until it is
+    earned the cell prints one locked line; once earned (or in the stored copy) it shows what it measures."""
+    import json
+    from pathlib import Path
+
+    from labsupport.estimate.schedules import schedule
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+    cell = next("".join(c["source"]) for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"]))
+    locked(name, monkeypatch)
+    exec(cell, {"schedule": schedule, "lab": None, "guess_backward_op": None})   # no pool: the locked branch runs none
+    out = capsys.readouterr().out
+    assert out.startswith("🔒 (locked) ") and f"once {name}'s check above passes" in " ".join(out.split()), out
+    assert not re.search(r"identity|all-reduces in the backward|F0|B0", out), out
+    if name == "one_f_one_b":
+        monkeypatch.setattr(ex.get(name), "earned", True)
+        exec(cell, {"schedule": schedule})
+        assert capsys.readouterr().out.startswith("stage 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0")
