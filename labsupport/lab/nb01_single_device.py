@@ -60,13 +60,23 @@ def tinygpt_params(n_layers, hidden, vocab, seq_len):
 
 # ---------------------------------------------------------------- bytes per parameter
 
+def _bytes_wrong(got, want: dict) -> str:
+    """What is wrong with the attendee's dict, entry by entry (too many, too few, missing), without the values."""
+    if not isinstance(got, dict):
+        return f"you return {got!r}; the check expects a dict with the entries {', '.join(map(repr, want))}"
+    missing, extra = [k for k in want if k not in got], [k for k in got if k not in want]
+    if missing or extra:
+        return ("your dict " + "; ".join(([f"misses {', '.join(map(repr, missing))}"] if missing else [])
+                                         + ([f"has no place for {', '.join(map(repr, extra))}"] if extra else [])))
+    wrong = [f"{k!r} has too {'many' if got[k] > want[k] else 'few'} bytes" for k in want if got[k] != want[k]]
+    return "your " + ", ".join(wrong[:-1]) + (" and " if len(wrong) > 1 else "") + wrong[-1]
+
+
 def grade_bytes_per_param(fn, source) -> str:
     for recipe, want in BYTES_PER_PARAM.items():
         got = attempt(fn, recipe)
         if got != want:
-            total = sum(got.values()) if isinstance(got, dict) else got
-            raise Wrong(f"for {recipe!r} you give {got!r} ({total} bytes), expected {want} "
-                        f"({sum(want.values())} bytes per parameter)")
+            raise Wrong(f"for {recipe!r} {_bytes_wrong(got, want)}")
     return "16 / 16 / 18 / 20 bytes per parameter, and the split between weights, gradients and optimizer"
 
 
@@ -262,9 +272,10 @@ def grade_fp16_step(fn, source) -> str:
         raise Wrong(f"{returns}, and after 3 steps the weights have moved {far:.2f}x as far from their start as "
                     "the recipe's")
     if not recipes:
-        raise Wrong(f"the gradient norms are right, but after 3 steps {off:,} of {weights.numel():,} weights differ "
-                    "from the reference's by more than 1e-6: does every step update, unscaled and clipped, and "
-                    "clear the gradients?")
+        far = ((weights - start).norm() / (ref_weights - start).norm()).item()
+        raise Wrong(f"the gradient norms are right, but after 3 steps the weights have moved {far:.2f}x as far from "
+                    f"their start as the recipe's, and {off:,} of {weights.numel():,} differ from the recipe's by more "
+                    "than 1e-6")
     return f"unscaled before the clip: true gradient norms ({want[0]:.3f}, ...), weights as the reference's"
 
 

@@ -462,13 +462,13 @@ def check_conjugate_backward(conjugate_backward) -> dict:
     if not torch.allclose(x.grad, xd.grad, atol=1e-4):
         if abs(w_ratio - world) < 1e-3:
             why = (f", and the weights' gradients are {world}x the dense ones: g's backward summed a gradient that "
-                   "every rank already holds whole. g's backward is the identity")
+                   "every rank already holds whole")
         elif abs(w_ratio - 1 / world) < 1e-3:
-            why = (", and the weights' gradients are 1/T of the dense ones: g's output gradient is already the "
-                   "whole one on every rank; leave it as it is")
+            why = (", and the weights' gradients are 1/T of the dense ones: g's backward shrank a gradient that "
+                   "every rank already holds whole")
         elif extra == 0:
-            why = (": each rank holds only its own heads'/units' contribution to x's gradient, and f's backward must "
-                   "sum them over the ranks (an all-reduce)")
+            why = (": each rank holds only its own units' contribution to x's gradient, and your backward made no "
+                   "all-reduce")
         elif not torch.allclose(w1.grad, want_w1, atol=1e-4):
             why = f", and the weights' gradients are {w_ratio:.2f}x the dense ones"
         else:

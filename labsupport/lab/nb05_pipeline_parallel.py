@@ -276,7 +276,8 @@ BLOCKING_LESSON = paragraphs(
     "receive the other never reaches: the simulator's deadlock, and on real ranks the hang above, both ranks in "
     "comm.send. The library's lists assume sends that do not block (isend): gloo then posts both messages and both "
     "receives complete.",
-    "Two cures are in use. Order: on two stages, let one of them receive first, as your fix does. DeepSpeed's "
+    "Two cures are in use. Order: on two stages, let one of them receive first, as this lab's fix does. "
+    "DeepSpeed's "
     "pipeline engine, whose sends block too (dist.send in deepspeed/runtime/pipe/p2p.py), orders every exchange "
     "so: its TrainSchedule runs the stages in lock-step, neighbours always in opposite phases (one in a forward "
     "step, the other in a backward step), and in a forward step a stage sends its gradient back before it "
