@@ -68,6 +68,9 @@ def _bytes_wrong(got, want: dict) -> str:
     if missing or extra:
         return ("your dict " + "; ".join(([f"misses {', '.join(map(repr, missing))}"] if missing else [])
                                          + ([f"has no place for {', '.join(map(repr, extra))}"] if extra else [])))
+    numbers = [k for k in want if isinstance(got[k], bool) or not isinstance(got[k], (int, float))]
+    if numbers:
+        return f"your {numbers[0]!r} is {got[numbers[0]]!r}, not a number of bytes"
     wrong = [f"{k!r} has too {'many' if got[k] > want[k] else 'few'} bytes" for k in want if got[k] != want[k]]
     return "your " + ", ".join(wrong[:-1]) + (" and " if len(wrong) > 1 else "") + wrong[-1]
 
@@ -249,22 +252,24 @@ def grade_fp16_step(fn, source) -> str:
     import torch
     norms, start, weights = _fp16_run(fn)
     want, _, ref_weights = _cached_fp16_run(reference_fp16_step)
-    ratio = norms[0] / want[0]
+    differ = [i for i, (a, b) in enumerate(zip(norms, want)) if not abs(a / b - 1) <= 1e-3]  # nan differs too
+    i = differ[0] if differ else 0
+    ratio = norms[i] / want[i]
     recipes = torch.allclose(weights, ref_weights, rtol=0, atol=1e-6)
     off = int(((weights - ref_weights).abs() > 1e-6).sum())
     scaled_clip = torch.allclose(weights, _cached_fp16_run(scaled_clip_fp16_step)[2], rtol=0, atol=1e-6)
-    returns = (f"the step returns a gradient norm of {norms[0]:.4g} where torch's recipe, from the same start, "
-               f"returns {want[0]:.4g}")
+    returns = (f"{f'at step {i + 1} ' if i else ''}the step returns a gradient norm of {norms[i]:.4g} where torch's "
+               f"recipe, from the same start, returns {want[i]:.4g}")
     if scaled_clip and not recipes:
-        norm_line = ("" if abs(ratio - 1) <= 1e-3 else
-                     f" The norm it returns, {norms[0]:.4g}, is {ratio:,.0f} times the recipe's {want[0]:.4g}: "
+        norm_line = ("" if not differ else
+                     f" The norm it returns, {norms[i]:.4g}, is {ratio:,.0f} times the recipe's {want[i]:.4g}: "
                      "it is measured before the unscale.")
         raise Wrong(f"your step clips the still-scaled gradients at max_norm x S. That is the recipe's clip but for "
                     f"clip_grad_norm_'s 1e-6 guard against a zero norm, which weighs S times less beside the scaled "
                     f"norm: the first step agrees to about 4e-9, and fp16's forward passes and Adam magnify that, so "
                     f"after 3 steps {off:,} of {weights.numel():,} weights differ from the recipe's by more than "
                     f"1e-6.{norm_line} The check asks for the recipe's order: unscale, then clip at max_norm")
-    if abs(ratio - 1) > 1e-3:
+    if differ:
         if recipes:
             raise Wrong(f"your step's updates are the recipe's, but {returns} (the unscaled gradients' norm, "
                         "before the clip)")

@@ -466,14 +466,14 @@ def check_conjugate_backward(conjugate_backward) -> dict:
         elif abs(w_ratio - 1 / world) < 1e-3:
             why = (", and the weights' gradients are 1/T of the dense ones: g's backward shrank a gradient that "
                    "every rank already holds whole")
+        elif not torch.allclose(w1.grad, want_w1, atol=1e-4):
+            why = f", and the weights' gradients are {w_ratio:.2f}x the dense ones"
         elif extra == 0:
             why = (": each rank holds only its own units' contribution to x's gradient, and your backward made no "
                    "all-reduce")
-        elif not torch.allclose(w1.grad, want_w1, atol=1e-4):
-            why = f", and the weights' gradients are {w_ratio:.2f}x the dense ones"
         else:
-            why = (". The weights' gradients are right, so the trouble is in f's backward: the ranks' contributions "
-                   "to x's gradient must be summed, not averaged")
+            why = (". The weights' gradients are right, so the trouble is in f's backward: it must return the sum "
+                   "over the ranks of their contributions to x's gradient")
         return {"status": "wrong", "message": f"the forward is right, but x's gradient is {_times(ratios.tolist())} "
                                               f"(in norm){why}"}
     for name, p, want in (("W1", w1, want_w1), ("W2", w2, wd[2].grad.chunk(world, 1)[rank]), ("b2", b2, wd[3].grad)):
