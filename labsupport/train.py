@@ -417,7 +417,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     result["val_losses"] = val_losses
     if getattr(strategy, "events", None):  # a pipeline's last step, action by action (a measured Gantt chart)
         result["pipeline_events"] = strategy.events
-        result["pipeline_origin"] = strategy.pipeline.events_origin  # its start on the host's shared clock
+        result["pipeline_origin"] = strategy.events_origin  # its start on the host's shared clock
     if args.sample_chars:
         text = sample(strategy, model, corpus, cfg, args.sample_chars, args.seed, rt.device)
         if rt.rank == 0:

@@ -48,13 +48,17 @@ DENSE = textwrap.dedent('''
                 mine.tok_emb.weight.add_(1.0)
         config = ParallelConfig.build(rt.world_size, "pp" if name.startswith("planted") else name, pp=rt.world_size,
                                       schedule=schedule, chunks=chunks, microbatches=m)
-        steps = compose.STEPS
-        if name.startswith("planted"):  # a copy of pipeline.py with a bug in it: its step in the composition's place
-            planted = importlib.import_module(name).PipelineSplit
-            compose.STEPS = tuple(planted if step.__name__ == "PipelineSplit" else step for step in steps)
-        strategy = make_strategy(rt, config)
+        if name.startswith("planted_split"):  # a copy of pipeline.py with a bug in it, composed in its step's place
+            class Planted(compose.Parallel):
+                STEPS = tuple(importlib.import_module(name).PipelineSplit if step.__name__ == "PipelineSplit" else step
+                              for step in compose.STEPS)
+            strategy = Planted(rt, config)
+        else:
+            strategy = make_strategy(rt, config)
         model = strategy.parallelize(mine)
-        compose.STEPS = steps  # the next case composes the real steps
+        if name.startswith("planted_schedule"):  # a copy of pipeline_schedule.py with a bug: the executor it makes
+            strategy.runner = importlib.import_module(name).PipelineSchedule(strategy.mesh, config, cfg.hidden,
+                                                                             cfg.padded_vocab, torch.float32, rt.device)
         data = torch.Generator().manual_seed(1)
         x, y = torch.randint(0, 57, (2 * m, 8), generator=data), torch.randint(0, 57, (2 * m, 8), generator=data)
         batches = list(zip(x.chunk(m), y.chunk(m)))
@@ -102,29 +106,32 @@ CASES = [  # (stages, schedule, chunks, micro-batches)
     (4, "gpipe", 1, 4), (4, "1f1b", 1, 6), (4, "interleaved", 2, 8),
 ]
 TORCH_CASES = [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)]  # on 2 stages
-BUGS = {  # each planted in a copy of pipeline.py: (anchor, replacement, how the failure begins); 1f1b on 2 stages
-    "each micro-batch's loss not divided by m": ("out = loss / m  #", "out = loss  #", "grad of"),
-    "the tied embedding's gradients not summed": ('comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)',
-                                                  "pass", "grad of tok_emb.weight"),
-    "the tied matrix counted twice in the norm": ("if p is not self.tied]", "]", "grad norm"),
+BUGS = {  # each planted in a copy of the executor (schedule) or of the split: (module, anchor, replacement,
+    # how the failure begins); 1f1b on 2 stages
+    "each micro-batch's loss not divided by m": ("schedule", "out = loss / m  #", "out = loss  #", "grad of"),
+    "the tied embedding's gradients not summed": (
+        "split", 'comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)', "pass",
+        "grad of tok_emb.weight"),
+    "the tied matrix counted twice in the norm": ("split", "if p is not self.tied]", "]", "grad norm"),
 }
 # every case: {label: (ranks, strategy or planted module, schedule, chunks, micro-batches)}
 DENSE_CASES = {
     **{f"pp {name} on {stages} stages, chunks {chunks}, m {m}": (stages, "pp", name, chunks, m)
        for stages, name, chunks, m in CASES},
     **{f"torch-pp {name}, chunks {chunks}, m {m}": (2, "torch-pp", name, chunks, m) for name, chunks, m in TORCH_CASES},
-    **{f"planted: {bug}": (2, f"planted_pp_{i}", "1f1b", 1, 4) for i, bug in enumerate(BUGS)},
+    **{f"planted: {bug}": (2, f"planted_{where}_{i}", "1f1b", 1, 4) for i, (bug, (where, *_)) in enumerate(BUGS.items())},
 }
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     """`dense(label)`: the case's report per rank, every case of N ranks in one launch."""
-    from labsupport.parallel import pipeline
+    from labsupport.parallel import pipeline, pipeline_schedule
 
     def plant(folder):
-        for i, (old, new, _) in enumerate(BUGS.values()):
-            planted_copy(pipeline, [(old, new)], folder / f"planted_pp_{i}.py")
+        for i, (where, old, new, _) in enumerate(BUGS.values()):
+            module = pipeline_schedule if where == "schedule" else pipeline
+            planted_copy(module, [(old, new)], folder / f"planted_{where}_{i}.py")
     return cases_on_ranks(tmp_path_factory, DENSE, DENSE_CASES, plant)
 
 
@@ -161,9 +168,9 @@ def test_torch_pipelining_gives_the_dense_models_loss_and_gradients(dense, name,
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("bug", BUGS)
 def test_planted_bugs_are_caught(dense, bug):
-    """Each bug is planted in a copy of pipeline.py that its case uses instead of the real one."""
+    """Each bug is planted in a copy of pipeline.py or pipeline_schedule.py that its case uses instead of the real one."""
     reports = dense(f"planted: {bug}")
-    expected = BUGS[bug][2]
+    expected = BUGS[bug][3]
     assert any(f.startswith(expected) for rep in reports for f in rep["failures"]), [r["failures"] for r in reports]
 
 

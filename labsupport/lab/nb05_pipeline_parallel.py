@@ -5,7 +5,7 @@ stage waiting for the other).
 
 The local checks use `labsupport.estimate`: the same action lists the executor runs, timed by the
 simulator and checked for deadlocks by `check_happens_before`. The check on ranks hands the
-attendee's lists to the real executor (`labsupport.parallel.pipeline.PipelineSplit`) in place
+attendee's lists to the real executor (`labsupport.parallel.pipeline_schedule.PipelineSchedule`) in place
 of the library's schedule, and compares every gradient with the dense model's.
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def check_one_f_one_b(one_f_one_b, rt) -> dict:
         (lm_loss(dense(xb), yb) / m).backward()
     strategy = make_strategy(rt, ParallelConfig.build(p, "pp", pp=p, schedule="1f1b", microbatches=m))
     model = strategy.parallelize(build())
-    strategy.stage_actions = lambda m: lists[strategy.mesh.pp_rank]  # the attendee's list runs, not the library's
+    strategy.runner.actions = lambda m: lists[strategy.mesh.pp_rank]  # the attendee's list runs, not the library's
     out = on_ranks.on_rank(strategy.forward_backward, model, batches)
     if out["status"] != "ok":
         return out
@@ -284,7 +284,7 @@ BLOCKING_LESSON = paragraphs(
     "receives the next activation, while its neighbour, in a backward step, receives that gradient before it "
     "sends the activation: each send meets its receive.",
     "Post both at once: labsupport's executor posts each send together with the receive that follows it as one "
-    "batch_isend_irecv group (PipelineSplit._post in labsupport/parallel/pipeline.py), as Megatron-LM's "
+    "batch_isend_irecv group (PipelineSchedule._post in labsupport/parallel/pipeline_schedule.py), as Megatron-LM's "
     "send_forward_recv_backward does by default (batch_p2p_comm); then neither side waits for the other to start. "
     "Where Megatron-LM overlaps these messages with compute (overlap_p2p_comm, for its interleaved schedule), "
     "it posts them one by one instead and orders them by rank, as above: an even pipeline rank posts its send "

@@ -43,7 +43,7 @@ from .experts import ExpertParallelStep, aux_loss
 from .fsdp import FullyShardStep
 from .optim import adamw
 from .pipeline import PipelineSplit
-from .step import Step
+from .step import PlainLoop, Step
 from .strategy import Strategy
 from .tensor import TensorParallelStep
 from .zero import ZeROStep
@@ -52,9 +52,9 @@ STEPS = (PipelineSplit, TensorParallelStep, ContextParallelStep, ExpertParallelS
          DataParallelStep, ZeROStep, FullyShardStep)
 
 
-def steps_for(config) -> list[type]:
+def steps_for(config, steps=STEPS) -> list[type]:
     """The step classes of a configuration, in the order they apply (`Step.applies`)."""
-    return [step for step in STEPS if step.applies(config)]
+    return [step for step in steps if step.applies(config)]
 
 
 def step_problems(config, model=None, microbatches: int | None = None) -> list[str]:
@@ -63,9 +63,9 @@ def step_problems(config, model=None, microbatches: int | None = None) -> list[s
     return [line for step in STEPS for line in step.problems(config, model, microbatches)]
 
 
-def parallelize(model: torch.nn.Module, mesh, config) -> tuple[list[torch.nn.Module], list[Step]]:
-    """This rank's model chunks, after every step of `config` in order, and the steps."""
-    steps = [cls(mesh, config) for cls in steps_for(config)]
+def parallelize(model: torch.nn.Module, mesh, config, steps=STEPS) -> tuple[list[torch.nn.Module], list[Step]]:
+    """This rank's model chunks, after every step of `config` in order (of `steps`), and the steps."""
+    steps = [cls(mesh, config) for cls in steps_for(config, steps)]
     parts = [model]
     for i, step in enumerate(steps):
         shared = [p for before in steps[:i] for p in before.shared_parameters()]  # as the model is now
@@ -81,11 +81,13 @@ class Parallel(Strategy):
     """
 
     fp16 = True  # the plain loop and the pipeline's executor both start backward from `scale_loss`
+    STEPS = STEPS  # the steps it composes (a test composes a planted copy of one in its place)
 
     def parallelize(self, model):
-        self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config)
-        self.pipeline = next((s for s in self.steps if s.axis == "pp"), None)  # it runs the micro-batches
-        return torch.nn.ModuleList(self.parts) if self.pipeline else self.parts[0]
+        self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config, self.STEPS)
+        runners = [step.runner() for step in self.steps if step.runner() is not None]
+        self.runner = runners[0] if runners else PlainLoop()
+        return self.parts[0] if isinstance(self.runner, PlainLoop) else torch.nn.ModuleList(self.parts)
 
     def make_optimizer(self, model, lr, weight_decay):
         for step in self.steps:
@@ -120,20 +122,23 @@ class Parallel(Strategy):
 
     def forward_backward(self, model, batches, autocast=None):
         batches = [self.local_batch(x, y) for x, y in batches]
-        if self.pipeline:
-            return self.pipeline.forward_backward(self.parts, batches, self.stage_actions(len(batches)), self.loss_fn,
-                                                  lambda: self.no_sync(model), autocast, self.scale_loss)
-        return super().forward_backward(model, batches, autocast)
+        loss = self.runner.forward_backward(self.parts, batches, self.loss_fn, lambda: self.no_sync(model), autocast,
+                                            self.scale_loss)
+        return self.no_loss() if loss is None else loss
 
-    def stage_actions(self, m: int) -> list:
-        """This stage's actions for a step of m micro-batches (notebook 05's exercise puts an
-        attendee's own list here)."""
-        return self.pipeline.actions(m)
+    def no_loss(self):
+        """The loss of a rank that computes none (a pipeline's first stages): NaN, until `reduce_loss`."""
+        return torch.tensor(float("nan"), device=self.rt.device)
 
     @property
     def events(self) -> list:
-        """The pipeline's last step, action by action (a measured Gantt chart); none without one."""
-        return self.pipeline.events if self.pipeline else []
+        """The runner's last step, action by action (a pipeline's measured Gantt chart; none without one)."""
+        return self.runner.events
+
+    @property
+    def events_origin(self) -> float:
+        """When that step began, on the host's shared clock (`time.perf_counter`)."""
+        return self.runner.events_origin
 
     def finish_backward(self, model):
         for step in reversed(self.steps):
@@ -156,27 +161,19 @@ class Parallel(Strategy):
 
     @torch.no_grad()
     def evaluate_loss(self, model, x, y):
-        """This rank's mean language-model loss on its share of (x, y); with a pipeline, NaN on all but
-        the last stage."""
+        """This rank's mean language-model loss on its share of (x, y); NaN on a rank that computes
+        no logits (a pipeline's first stages)."""
         x, y = self.local_batch(x, y)
-        logits = self.pipeline.forward_only(self.parts, x) if self.pipeline else model(x)
-        return self.lm_loss(logits, y) if logits is not None else self.pipeline.no_loss()
+        logits = self.runner.forward(self.parts, x)
+        return self.lm_loss(logits, y) if logits is not None else self.no_loss()
 
     @torch.no_grad()
     def logits(self, model, idx):
-        """The full logits for `idx` on every rank: each step undoes its split of them."""
-        t = idx.shape[1]
-        for step in self.steps:
-            idx = step.sample_input(idx)
-        with ExitStack() as whole:
-            for step in self.steps:
-                whole.enter_context(step.whole_sequences())
-            out = self.pipeline.forward_only(self.parts, idx) if self.pipeline else model(idx)
-        if out is not None:
-            for step in reversed(self.steps):
-                out = step.full_logits(out)
-            out = out[:, :t]
-        return self.pipeline.broadcast_logits(out, idx[:, :t]) if self.pipeline else out
+        """The full logits for `idx` on every rank: each step undoes its cut around the forward."""
+        forward = lambda tokens: self.runner.forward(self.parts, tokens)  # noqa: E731
+        for step in reversed(self.steps):
+            forward = step.sampling(forward)
+        return self.runner.share_logits(forward(idx), idx)
 
     def model_state(self, model):
         """This rank's weights under the whole model's names, copied (a shard is a view into a bigger

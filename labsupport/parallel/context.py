@@ -350,12 +350,14 @@ class ContextParallelStep(Step):
     def local_batch(self, x, y):
         return shard_sequence(x, self.rank, self.cp), shard_sequence(y, self.rank, self.cp)
 
-    @contextmanager
-    def whole_sequences(self):
-        with ExitStack() as stack:
-            for ring in self.rings:
-                stack.enter_context(ring.paused())
-            yield
+    def sampling(self, forward):
+        """Sampling runs whole sequences on every rank: the ring paused, attention as on one device."""
+        def whole(idx):
+            with ExitStack() as stack:
+                for ring in self.rings:
+                    stack.enter_context(ring.paused())
+                return forward(idx)
+        return whole
 
     def close(self):
         for handle in self._hooks:

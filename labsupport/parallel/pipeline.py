@@ -12,11 +12,9 @@ the step for m micro-batches (Narayanan et al. 2021, Sec. 2.2):
 * interleaved 1F1B: each stage holds v model chunks (Megatron-LM's layout: stage s, chunk c
   holds model chunk c p + s), which divides the bubble by v for v times the messages.
 
-The schedules are data (`labsupport.estimate.schedules`: one list of actions per stage, the
-same lists the widget draws); `PipelineParallel.forward_backward` runs this stage's list top to
-bottom: F and B compute; a SEND is non-blocking, posted together with the RECV right after it
-(`_post` says why) or else before the next compute; a RECV blocks. Each micro-batch's loss is
-divided by m, so the accumulated gradients are those of the mean loss, as `single`'s.
+This file is the split: which layers a stage holds and the tied matrix's two copies. The
+schedules are data (`labsupport.estimate.schedules`), and the executor that runs a stage's list
+of actions is `PipelineSchedule` (pipeline_schedule.py), the split's runner in the composition.
 
 A stage is TinyGPT with the other stages' parts removed (`split_stage`, torchtitan's manual
 split): parameter names stay those of the whole model. The LM head is tied to the token
@@ -28,14 +26,13 @@ counts that matrix once, on the first stage.
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
-import time
 
 import torch
 import torch.nn as nn
 
 from .. import comm
-from ..estimate.schedules import SCHEDULES, model_chunk, peer, schedule
+from ..estimate.schedules import SCHEDULES, model_chunk
+from .pipeline_schedule import PipelineSchedule
 from .step import Step
 
 
@@ -68,11 +65,7 @@ class PipelineSplit(Step):
     """`--pp P [--schedule gpipe|1f1b|interleaved --chunks V] [--microbatches M]`: the first step.
 
     It turns the model into this stage's chunks; every stage reads the same micro-batches (the
-    first uses the tokens, the last the targets). `events` holds the last step's actions on this
-    stage as (start_s, end_s, op, microbatch, chunk), seconds from the start of `forward_backward`,
-    for a measured Gantt chart; `events_origin` is that start on `time.perf_counter()`, whose clock
-    (CLOCK_MONOTONIC) the processes of one host share, so that a run's report can put every stage
-    on one time axis (`train.py` shifts each stage by its origin minus the earliest).
+    first uses the tokens, the last the targets), which its `schedule` (a `PipelineSchedule`) runs.
     """
 
     axis = "pp"
@@ -100,16 +93,13 @@ class PipelineSplit(Step):
                        f"{microbatches}; set --microbatches to a multiple of {config.pp}")
         return out
 
-    def __init__(self, mesh, config):
-        super().__init__(mesh, config)
-        self.events: list[tuple[float, float, str, int, int]] = []
-
     # ------------------------------------------------------------ placement
 
     def apply(self, parts, shared):
         (model,) = parts
         p0 = next(model.parameters())
-        self.hidden, self.vocab, self.dtype, self.device = model.cfg.hidden, model.cfg.padded_vocab, p0.dtype, p0.device
+        self.schedule = PipelineSchedule(self.mesh, self.config, model.cfg.hidden, model.cfg.padded_vocab, p0.dtype,
+                                         p0.device)
         self.parts = list(split_stage(model, self.mesh.pp_rank, self.config.pp, self.config.chunks))
         if self.tied is not None:  # both copies start from the first stage's values
             with torch.no_grad():
@@ -128,90 +118,9 @@ class PipelineSplit(Step):
         """The tied embedding / LM head matrix: the first and the last stage each hold a copy."""
         return [self.tied] if self.tied is not None else []
 
-    # ------------------------------------------------------------ a step
-
-    def actions(self, m: int) -> list:
-        """This stage's actions of the configured schedule for a step of m micro-batches."""
-        return schedule(self.config.schedule, self.config.pp, m, self.config.chunks)[self.mesh.pp_rank]
-
-    def forward_backward(self, parts, batches, actions, loss_fn, no_sync, autocast=None, scale_loss=None):
-        """Run this stage's `actions`. Returns the mean loss of the micro-batches on the last stage;
-        the other stages compute no loss and return NaN (`reduce_loss` sends every stage the last one's).
-        Every backward but each chunk's last runs under `no_sync()`: data parallelism communicates in
-        the last one only (Megatron-LM syncs the last micro-batch of each model chunk)."""
-        p, v, m, s = self.config.pp, self.config.chunks, len(batches), self.mesh.pp_rank
-        last = p * v - 1
-        inputs, outputs, grads, pending, sent, losses = {}, {}, {}, [], [], []
-        self.events = []
-        self.events_origin = start = time.perf_counter()  # one host's processes share this clock
-        for action in actions:
-            began, key = time.perf_counter(), (action.microbatch, action.chunk)
-            k = model_chunk(s, action.chunk, p)
-            x, y = batches[action.microbatch]
-            if action.op == "SEND_F":  # this chunk's output, for the next chunk
-                pending.append((action, outputs[key].detach()))
-            elif action.op == "SEND_B":  # the gradient of this chunk's input, for the chunk before it
-                pending.append((action, inputs.pop(key).grad))
-            elif action.op in ("RECV_F", "RECV_B"):
-                buf = self._hidden_buffer(x.shape)
-                sent += self._post(pending, m, receive=(action, buf))
-                if action.op == "RECV_F":
-                    inputs[key] = buf.requires_grad_()
-                else:
-                    grads[key] = buf
-            else:
-                sent += self._post(pending, m)  # before computing: a neighbour may be waiting for them
-                if action.op == "F":
-                    with comm.phase("forward"), autocast or nullcontext():
-                        out = parts[action.chunk](x if k == 0 else inputs[key])
-                        if k == last:
-                            loss = loss_fn(out, y)
-                            losses.append(loss.detach().float())
-                            out = loss / m  # this micro-batch's share of the mean loss
-                            if scale_loss is not None:  # fp16: backward starts from the scaled loss
-                                out = scale_loss(out)
-                    outputs[key] = out
-                else:
-                    with comm.phase("backward"), no_sync() if action.microbatch < m - 1 else nullcontext():
-                        torch.autograd.backward(outputs.pop(key), grads.pop(key, None))
-            self.events.append((began - start, time.perf_counter() - start, action.op, action.microbatch, action.chunk))
-        sent += self._post(pending, m)
-        for work, _ in sent:  # the tensors stay alive until their sends are done
-            work.wait()
-        return torch.stack(losses).mean() if losses else self.no_loss()
-
-    def _post(self, pending: list, m: int, receive=None) -> list:
-        """Post the pending sends, and the receive that follows them if any, as one group; wait for
-        the receive. In 1F1B's steady state both neighbours send, then receive from each other:
-        gloo copes with sends that are merely non-blocking, NCCL only with the four in one group
-        (Megatron-LM's send_forward_recv_backward). Returns the sends' (work, tensor) to wait for."""
-        ops = [("send", tensor, *self._channel(action, m)) for action, tensor in pending]
-        if receive is not None:
-            action, buf = receive
-            ops.append(("recv", buf, *self._channel(action, m)))
-        works = comm.batch_isend_irecv(ops, group=self.group)
-        if receive is not None:
-            works.pop().wait()
-        sent = [(work, tensor) for work, (_, tensor) in zip(works, pending)]
-        pending.clear()
-        return sent
-
-    def _channel(self, action, m: int) -> tuple[int, int]:
-        """The peer's world rank and the message's tag. Messages between two ranks in one direction
-        (interleaved: activations and gradients alike) are told apart by the tag: which boundary
-        between model chunks, which micro-batch, activation or gradient."""
-        p, s = self.config.pp, self.mesh.pp_rank
-        stage, there = peer(s, action, p, self.config.chunks)
-        boundary = min(model_chunk(s, action.chunk, p), model_chunk(stage, there.chunk, p))
-        return self.mesh.stage_rank(stage), 2 * (boundary * m + action.microbatch) + action.op.endswith("_B")
-
-    def _hidden_buffer(self, tokens_shape):
-        """Activations and their gradients are (micro-batch, sequence, hidden), in the parameters'
-        dtype: TinyGPT's residual stream is not autocast (embeddings and residual sums stay fp32)."""
-        return torch.empty((*tokens_shape, self.hidden), dtype=self.dtype, device=self.device)
-
-    def no_loss(self):
-        return torch.tensor(float("nan"), device=self.device)
+    def runner(self):
+        """The executor of the schedule's action lists drives this stage's micro-batches."""
+        return self.schedule
 
     def finish_backward(self):
         """Sum the tied matrix's two gradients: the embedding's (first stage) and the head's (last)."""
@@ -229,27 +138,3 @@ class PipelineSplit(Step):
         """The last stage's loss, broadcast to every stage of the pipeline."""
         comm.broadcast(loss, self.mesh.stage_rank(self.config.pp - 1), group=self.group)
         return loss
-
-    # ------------------------------------------------------------ around the steps
-
-    def forward_only(self, parts, idx):
-        """Forward through the model chunks in order, without a schedule: each waits for the one
-        before. The last stage returns the output, the others None."""
-        p, s = self.config.pp, self.mesh.pp_rank
-        h = idx
-        for c, part in enumerate(parts):
-            k = model_chunk(s, c, p)
-            if k > 0:
-                h = self._hidden_buffer(idx.shape)
-                comm.recv(h, self.mesh.stage_rank((s - 1) % p), group=self.group)
-            h = part(h)
-            if k < p * self.config.chunks - 1:
-                comm.send(h, self.mesh.stage_rank((s + 1) % p), group=self.group)
-        return h if self.mesh.is_last_stage else None
-
-    def broadcast_logits(self, out, idx):
-        """The last stage's full logits, sent to every stage of the pipeline."""
-        if out is None:
-            out = torch.empty((*idx.shape, self.vocab), device=self.device)
-        comm.broadcast(out, self.mesh.stage_rank(self.config.pp - 1), group=self.group)
-        return out

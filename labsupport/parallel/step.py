@@ -2,12 +2,19 @@
 
 A new parallelism is a subclass in a file of its own that overrides the hooks its mechanism
 changes; every default below does nothing, so the step is invisible where it is not needed.
+
+The micro-batches of a step are run by a *runner*: the plain loop below (each micro-batch forward,
+then backward), unless a step brings its own (`Step.runner`: the pipeline's schedule, which
+pipeline_schedule.py executes). Both answer the same three calls: `forward_backward`, `forward`
+(validation and sampling) and `share_logits`.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 
 import torch
+
+from .strategy import micro_batch_loop
 
 
 class Step:
@@ -52,10 +59,10 @@ class Step:
         """This rank's share of a micro-batch's tokens and targets (context parallelism: its positions)."""
         return x, y
 
-    def whole_sequences(self):
-        """Context for forwards on whole sequences on every rank (sampling): a step that cuts the
-        sequence steps aside."""
-        return nullcontext()
+    def runner(self):
+        """What drives a step's micro-batches forward and backward, where the step changes how they
+        run (a pipeline's schedule; it also runs forward alone). None: the plain loop, `PlainLoop`."""
+        return None
 
     def no_sync(self):
         """Context for backwards before a step's last: accumulate locally, communicate nothing."""
@@ -73,13 +80,28 @@ class Step:
         """This rank's mean loss -> the mean over this axis (the same on every rank of it)."""
         return loss
 
-    def sample_input(self, idx: torch.Tensor) -> torch.Tensor:
-        """Tokens to sample from, as this step needs them (sequence parallelism pads them)."""
-        return idx
-
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The whole vocabulary's logits from what this rank computed."""
-        return logits
+    def sampling(self, forward):
+        """`forward` (tokens -> logits, None on a rank that computes none) wrapped so that it takes
+        whole sequences and gives the whole vocabulary's logits, as sampling needs: a step that cuts
+        the sequence or the vocabulary undoes its cut around it."""
+        return forward
 
     def close(self) -> None:
         """Remove what the step put on the model (hooks)."""
+
+
+class PlainLoop:
+    """The runner without a pipeline: the model is one chunk, each micro-batch forward then backward."""
+
+    events: list = []  # no actions to record: only a pipeline's schedule has a Gantt chart
+    events_origin = 0.0
+
+    def forward_backward(self, parts, batches, loss_fn, no_sync, autocast=None, scale_loss=None):
+        (model,) = parts
+        return micro_batch_loop(model, batches, loss_fn, no_sync, autocast, scale_loss)
+
+    def forward(self, parts, idx):
+        return parts[0](idx)
+
+    def share_logits(self, out, idx):
+        return out

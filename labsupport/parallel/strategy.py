@@ -28,6 +28,25 @@ from .mesh import Mesh
 from .optim import adamw
 
 
+def micro_batch_loop(model, batches, loss_fn, no_sync, autocast=None, scale_loss=None, backward=None):
+    """Each micro-batch forward, then backward, `no_sync()` around all but the last; their mean loss.
+
+    Each micro-batch's loss is divided by their number, so the accumulated gradient is the
+    gradient of the mean, as one big batch would give. `scale_loss`: fp16's loss scale;
+    `backward`: a library's own (DeepSpeed's engine), else `Tensor.backward`.
+    """
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        with no_sync() if i < len(batches) - 1 else nullcontext():
+            with comm.phase("forward"), autocast or nullcontext():
+                loss = loss_fn(model(x), y)
+            with comm.phase("backward"):
+                share = loss / len(batches)
+                (backward or torch.Tensor.backward)(scale_loss(share) if scale_loss is not None else share)
+        losses.append(loss.detach().float())
+    return torch.stack(losses).mean()
+
+
 class Strategy:
     name = "single"
     fp16 = False        # whether every backward it runs starts from a scaled loss (--dtype fp16 needs it)
@@ -84,20 +103,9 @@ class Strategy:
 
     def forward_backward(self, model, batches, autocast=None) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; return their mean loss (detached).
-
-        Each micro-batch's loss is divided by their number, so the accumulated gradient is the
-        gradient of the mean, as one big batch would give. A pipeline strategy replaces this
-        with its schedule.
-        """
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            with self.no_sync(model) if i < len(batches) - 1 else nullcontext():
-                with comm.phase("forward"), autocast or nullcontext():
-                    loss = self.loss_fn(model(x), y)
-                with comm.phase("backward"):
-                    self.backward(self.scale_loss(loss / len(batches)))
-            losses.append(loss.detach().float())
-        return torch.stack(losses).mean()
+        A pipeline strategy replaces this with its schedule."""
+        return micro_batch_loop(model, batches, self.loss_fn, lambda: self.no_sync(model), autocast,
+                                self.scale_loss, self.backward)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss a backward starts from: under fp16, times the loss scale (loss_scale.py)."""

@@ -428,11 +428,12 @@ class TensorParallelStep(Step):
         mine = {id(p) for part in self.parts for p in grad_norm_parameters(part, self.group)}
         return [p for p in counted if id(p) in mine], scaled, self.group
 
-    def sample_input(self, idx):
-        """Sequence parallelism needs a length T divides: the prompt is padded at its end, which
-        causal attention never lets earlier positions see."""
-        pad = -idx.shape[1] % self.config.tp if self.config.sequence_parallel else 0
-        return F.pad(idx, (0, pad))
-
-    def full_logits(self, logits):
-        return gather_vocabulary(logits, self.group)
+    def sampling(self, forward):
+        """The whole vocabulary's logits, gathered from the shards. Sequence parallelism needs a length
+        T divides: the prompt is padded at its end, which causal attention never lets earlier
+        positions see, and the padding's logits are dropped."""
+        def whole(idx):
+            t = idx.shape[1]
+            out = forward(F.pad(idx, (0, -t % self.config.tp if self.config.sequence_parallel else 0)))
+            return None if out is None else gather_vocabulary(out, self.group)[:, :t]
+        return whole

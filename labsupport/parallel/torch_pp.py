@@ -59,7 +59,7 @@ class TorchPP(Parallel):
         outputs = {"target": y, "losses": losses} if self.mesh.is_last_stage else {}
         with autocast or nullcontext():
             self._schedule(m).step(*inputs, **outputs)
-        return torch.stack(losses).sum().detach().float() if losses else self.pipeline.no_loss()
+        return torch.stack(losses).sum().detach().float() if losses else self.no_loss()
 
     def close(self, model):
         """Drop torch's stages and schedules: they hold the PP group."""
