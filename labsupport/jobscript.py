@@ -107,9 +107,6 @@ def _check_train_args(argv: list[str], world_size: int) -> str | None:
     parser = build_parser()
     parser.error = refuse  # argparse would print usage and exit; we want one line
     args = parser.parse_args(argv)
-    if args.strategy == "single" and world_size > 1:  # also the default strategy
-        raise ValueError(f"strategy 'single' runs on one rank, and this job has {world_size}; "
-                         "give a parallel one, e.g. --strategy ddp")
     # The data file may exist only on the cluster: check everything else, against the shipped corpus.
     validate(argparse.Namespace(**{**vars(args), "data": None}), world_size)
     return args.run_dir

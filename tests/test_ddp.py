@@ -302,7 +302,7 @@ def test_planted_sum_instead_of_average_fails_the_comparison_with_single(tmp_pat
     (["--strategy", "ddp", "--nproc", "4", "--global-batch", "6"], "must be divisible"),
     (["--strategy", "ddp", "--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be > 0"),
     (["--strategy", "ddp", "--nproc", "2", "--ddp-mode", "ring"], "invalid choice: 'ring'"),
-    (["--strategy", "ddp", "--nproc", "2", "--tp", "2"], "strategy 'ddp' splits over dp only, so --tp must be 1"),
+    (["--strategy", "ddp", "--nproc", "2", "--tp", "2"], "strategy 'ddp' is data parallelism, but this grid has --dp 1"),
     (["--strategy", "ddp", "--nproc", "4", "--dp", "3", "--global-batch", "6"], "--dp 3 x --tp 1 x --pp 1 = 3 ranks"),
 ])
 def test_bad_ddp_arguments_fail_before_start(args, message):

@@ -296,7 +296,7 @@ def test_script_refuses_to_run_outside_a_job(tmp_path):
     ({"command": ["labsupport", "launch", "--nproc", "2", "x.py"]}, "runs on this machine only"),
     ({"command": ["labsupport", "train", "--nproc", "8"]}, "drop --nproc"),
     ({"command": ["labsupport", "train", "--strategy", "nope"]}, "unknown strategy 'nope'"),
-    ({"command": ["labsupport", "train", "--steps", "5"]}, "strategy 'single' runs on one rank, and this job has 8"),
+    ({"command": ["labsupport", "train", "--steps", "5"]}, "strategy 'single' runs on one rank, but the run has 8"),
     ({"command": ["labsupport", "train", "--strategy", "ddp", "--global-batch", "12"]}, "--global-batch 12 must be divisible"),
     ({"command": ["labsupport", "train", "--stpes", "5"]}, "training arguments: unrecognized arguments: --stpes"),
 ])

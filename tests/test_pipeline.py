@@ -249,7 +249,8 @@ def test_training_on_four_layers_matches_single(runs, strategy, nproc, extra):
      "torch's 1f1b schedule needs at least --pp 2 micro-batches per step, but a step has 1"),
     (["--nproc", "2", "--pp", "2", "--global-batch", "3"],
      "the 3 sequences each data-parallel rank gets per step do not split into --pp 2 micro-batches (the default"),
-    (["--nproc", "2"], "strategy 'pp' splits over pp only, so --dp must be 1 (got 2)"),
+    (["--nproc", "2"], "strategy 'pp' is pipeline parallelism, but this grid has --pp 1 (--dp 2 x --tp 1 x --pp 1 on 2 ranks); "
+                    "name what runs: --strategy ddp"),
 ])
 def test_bad_pipeline_arguments_fail_before_start(tmp_path, args, message):
     res = cli("train", "--strategy", "pp", "--model", "nano", *args)

@@ -59,18 +59,29 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
 
 @pytest.mark.parametrize("config, world, problems", [
     (ParallelConfig.build(4, "ddp"), 4, []),
-    (ParallelConfig.build(2, "single"), 2, ["strategy 'single' runs on one rank; use --nproc 1 (got 2)"]),
+    (ParallelConfig.build(2, "single"), 2, ["strategy 'single' runs on one rank, but the run has 2: name a parallel strategy (e.g. --strategy ddp), or run it on one rank"]),
     (ParallelConfig.build(2, "nope"), 2, ["unknown strategy 'nope'"]),
     (ParallelConfig.build(4, "ddp", dp=3), 4, ["--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the run has 4",
                                                 "--global-batch 8 must be divisible by micro-batch x data-parallel ranks (auto x 3)"]),
-    (ParallelConfig.build(4, "ddp", tp=2), 4, ["strategy 'ddp' splits over dp only, so --tp must be 1 (got 2)"]),
-    # a degree the strategy does not split is one line: the steps check the rest as if it were 1
-    (ParallelConfig.build(6, "ddp", tp=3, pp=2, bucket_mb=0), 6,
+    # a name of ours fills defaults and restricts nothing the steps accept: dp 2 x tp 2 is `ddp` with --tp 2
+    (ParallelConfig.build(4, "ddp", tp=2), 4, []),
+    (ParallelConfig.build(8, "tp", tp=2, cp=2), 8, []),
+    (ParallelConfig.build(2, "cp", cp=2), 2, []),
+    # ... but it does not run what it does not name: ddp on dp 1 is not data parallelism
+    (ParallelConfig.build(2, "ddp", cp=2), 2, ["strategy 'ddp' is data parallelism, but this grid has --dp 1 "
+                                               "(--dp 1 x --tp 1 x --pp 1 x --cp 2 on 2 ranks); name what runs: "
+                                               "--strategy cp"]),
+    (ParallelConfig.build(16, "3d", tp=2, pp=2, cp=2), 16, ["--cp 2 does not combine with --pp"]),  # a step refuses
+    (ParallelConfig.build(2, "zero1", cp=2), 2, ["--cp 2 runs with --zero 0 only",
+                                                 "strategy 'zero1' shards over data-parallel ranks; on dp 1"]),
+    # a reference declares what it splits: a degree it does not split is one line, the steps check the rest as if 1
+    (ParallelConfig.build(4, "torch-ddp", tp=2), 4, ["strategy 'torch-ddp' splits over dp only, so --tp must be 1 (got 2)"]),
+    (ParallelConfig.build(6, "torch-ddp", tp=3, pp=2, bucket_mb=0), 6,
      ["splits over dp only, so --tp must be 1", "splits over dp only, so --pp must be 1", "--bucket-mb must be > 0"]),
     (ParallelConfig.build(6, "3d", dp=1, tp=3, pp=2), 6,
      ["--tp 3 must divide the model's heads (4)", "--tp 3 must divide the model's hidden size (64)",
       "--tp 3 must divide the model's padded vocabulary (64)"]),
-    (ParallelConfig.build(3, "ddp", pp=3), 3, ["so --pp must be 1 (got 3)",
+    (ParallelConfig.build(3, "torch-ddp", pp=3), 3, ["so --pp must be 1 (got 3)",
                                                "the 8 sequences each data-parallel rank gets per step do not split into "
                                                "--pp 3 micro-batches"]),
     (ParallelConfig.build(3, "pp", pp=3), 3, ["--pp 3 x --chunks 1 = 3 pipeline chunks must divide the model's 2 layers",
@@ -79,7 +90,8 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
     (ParallelConfig.build(2, "ddp", zero=4, ddp_mode="ring"), 2, ["--zero must be 0, 1, 2 or 3", "--ddp-mode must be"]),
     (ParallelConfig.build(2, "ddp", zero=1), 2, ["strategy 'ddp' does not shard with ZeRO, so --zero 1 would be ignored; "
                                                  "use --strategy zero1"]),
-    (ParallelConfig.build(2, "tp", tp=2, zero=3), 2, ["strategy 'tp' does not shard with ZeRO"]),
+    (ParallelConfig.build(2, "tp", tp=2, zero=3), 2, ["ZeRO-3 shards whole units over the DP group; it does not "
+                                                      "compose with --tp or --pp"]),
     (ParallelConfig.build(2, "ddp", zero=0), 2, []),
 ])
 def test_config_names_every_mistake_on_its_own_line(config, world, problems):

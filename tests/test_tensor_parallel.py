@@ -172,7 +172,8 @@ def test_training_matches_single_step_by_step(runs, strategy, nproc, extra):
     (["--tp", "4", "--nproc", "2"], "--tp 4 needs at least 4 ranks, but the run has 2 (--nproc)"),
     (["--tp", "2", "--nproc", "2", "--seq-len", "7", "--sequence-parallel"],
      "--sequence-parallel needs --tp 2 to divide the sequence length (7)"),
-    (["--tp", "2", "--nproc", "4", "--dp", "2"], "strategy 'tp' splits over tp only, so --dp must be 1 (got 2)"),
+    (["--tp", "1", "--nproc", "2"], "strategy 'tp' is tensor parallelism, but this grid has --tp 1 "
+                                    "(--dp 2 x --tp 1 x --pp 1 on 2 ranks); name what runs: --strategy ddp"),
 ])
 def test_bad_tensor_parallel_arguments_fail_before_start(args, message):
     res = cli("train", "--strategy", "tp", "--model", "nano", *args)

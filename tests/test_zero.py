@@ -231,7 +231,8 @@ def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says(ru
     (["--strategy", "zero3", "--nproc", "1"], "strategy 'zero3' shards over data-parallel ranks; on dp 1 it would be a no-op"),
     (["--strategy", "zero1", "--nproc", "2", "--zero", "4"], "--zero must be 0, 1, 2 or 3, got 4"),
     (["--strategy", "zero2", "--nproc", "2", "--zero", "3"], "strategy 'zero2' is ZeRO stage 2, but --zero 3"),
-    (["--strategy", "zero2", "--nproc", "2", "--tp", "2"], "strategy 'zero2' splits over dp only, so --tp must be 1"),
+    (["--strategy", "zero2", "--nproc", "4", "--tp", "2"], "ZeRO-2 frees the full gradients the tensor- and "
+                                                            "pipeline-parallel steps still reduce"),
     (["--strategy", "zero1", "--nproc", "2", "--ddp-mode", "flat"], "so --ddp-mode must be bucketed (got flat)"),
 ])
 def test_bad_zero_arguments_fail_before_start(args, message):

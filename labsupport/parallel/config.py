@@ -7,21 +7,23 @@ the benchmarks, and `check()` refuses a bad one with one line per mistake, namin
 
     world size = dp x pp x cp x tp       (ep, expert parallel, divides dp: it borrows those ranks)
 
-The configuration checks the degrees and the batch; what each way of splitting needs (a
-divisible vocabulary, a schedule that exists, what it cannot combine with) it asks the steps of
-the composition (compose.py), and a reference strategy's own limits its class (registry.py). The
-options are shared flags, so every strategy gets the steps' checks of them.
+That product is the one check of the grid made here. Everything else is asked of whoever has the
+constraint: each step of the composition (compose.py) checks its own options and what it cannot
+combine with (`Step.problems`), whether it applies or not, so every strategy gets the steps'
+checks of the shared flags; a strategy's name only says what it stands for (registry.py: `ddp`
+needs dp above 1, `zero2` is --zero 2), and a reference strategy declares the degrees it splits
+and checks its own limits (its class's `problems`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .compose import Parallel, step_problems
-from .mesh import AXES
+from .compose import step_problems
 from .registry import STRATEGIES
 
-
-DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a strategy may set above 1 (registry's Entry.axes)
+DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a configuration may set above 1
+AXIS_WORDS = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
+              "cp": "context parallelism"}  # what a name of ours may stand for (registry's Entry.names)
 
 
 class ConfigError(ValueError):
@@ -88,50 +90,54 @@ class ParallelConfig:
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
-        degrees = {axis: getattr(self, axis) for axis in (*AXES, "ep")}
-        if min(degrees.values()) < 1:
+        if min(getattr(self, axis) for axis in DEGREES) < 1:
             return [f"--dp, --tp, --pp, --cp and --ep must be >= 1, got {self._grid()} (--ep {self.ep})"]
         out = self._degree_problems(entry, world_size)
-        zero = self._zero_problems(entry, grid_ok=not out)
+        zero = self._zero_problems(entry)
         out += zero
         batch = self._batch_problems(global_batch, micro_batch) if global_batch is not None else []
         microbatches = None  # per step, what a pipeline schedule runs: known once the batch is valid
         if global_batch is not None and not batch:
             microbatches = global_batch // self.dp // self.micro_batch_size(global_batch, micro_batch)
-        # The steps see what the strategy would run: a degree it does not split (reported above) as 1, a
-        # refused --zero as 0, so one mistake is one line.
-        unsplit = {axis: 1 for axis in DEGREES if entry.axes and axis not in entry.axes}
+        # The steps see what the strategy would run: a degree a reference does not split (reported above)
+        # as 1, a refused --zero as 0, so one mistake is one line.
+        unsplit = {axis: 1 for axis in DEGREES if entry.splits is not None and axis not in entry.splits}
         out += step_problems(replace(self, **unsplit, **({"zero": 0} if zero else {})), model, microbatches)
-        cls = entry.load()
-        out += cls.problems(self, model, microbatches)
-        if model is not None and model.experts and not issubclass(cls, Parallel):
+        out += entry.load().problems(self, model, microbatches)
+        if model is not None and model.experts and not entry.experts:
             out.append(f"--experts: {self.strategy} is a reference that knows no mixture of experts; "
-                       "use single or ddp")
+                       "use one of ours (ddp)")
         return out + batch
 
     def _degree_problems(self, entry, world_size: int) -> list[str]:
+        """The degrees multiply to the world size; a reference splits only what it can; a name of ours
+        has the degrees it stands for above 1."""
+        if entry.splits == () and world_size != 1:
+            return [f"strategy {self.strategy!r} runs on one rank, but the run has {world_size}: name a parallel "
+                    "strategy (e.g. --strategy ddp), or run it on one rank"]
         out = []
-        if not entry.axes and world_size != 1:
-            out.append(f"strategy {self.strategy!r} runs on one rank; use --nproc 1 (got {world_size})")
-        elif self.tp > world_size:
+        if self.tp > world_size:
             out.append(f"--tp {self.tp} needs at least {self.tp} ranks, but the run has {world_size} (--nproc)")
         elif self.world_size != world_size:
             out.append(f"{self._grid()} = {self.world_size} ranks, but the run has {world_size} (--nproc); "
                        f"make dp x tp x pp{' x cp' * (self.cp != 1)} equal the number of ranks")
-        for axis in DEGREES:
-            if entry.axes and axis not in entry.axes and getattr(self, axis) > 1:
-                if axis in ("cp", "ep"):
-                    takers = ", ".join(name for name, e in STRATEGIES.items() if axis in e.axes)
-                    out.append(f"strategy {self.strategy!r} does not run --{axis} (got {getattr(self, axis)}); "
-                               f"it runs with: {takers}")
-                    continue
-                uses = " and ".join(a for a in entry.axes if a in ("dp", "tp", "pp"))
-                out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
-                           f"(got {getattr(self, axis)})")
+        if entry.splits:
+            for axis in DEGREES:
+                if axis not in entry.splits and getattr(self, axis) > 1:
+                    uses = " and ".join(entry.splits)
+                    out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
+                               f"(got {getattr(self, axis)})")
+        for axis in entry.names:
+            if not out and getattr(self, axis) == 1:
+                runs = [a for a in DEGREES if getattr(self, a) > 1]
+                name = {"dp": "ddp"}.get(runs[0], runs[0]) if len(runs) == 1 else "3d"
+                out.append(f"strategy {self.strategy!r} is {AXIS_WORDS[axis]}, but this grid has --{axis} 1 "
+                           f"({self._grid()} on {world_size} rank{'s' * (world_size != 1)})" + (f"; name what runs: --strategy {name}"
+                                                                        if runs else ""))
         return out
 
-    def _zero_problems(self, entry, grid_ok: bool) -> list[str]:
-        """--zero against what the name allows; and ZeRO needs ranks to shard over."""
+    def _zero_problems(self, entry) -> list[str]:
+        """--zero against the stage the name fixes (ZeRO's own needs are its step's, zero.py)."""
         if self.zero not in (0, 1, 2, 3):
             return [f"--zero must be 0, 1, 2 or 3, got {self.zero}"]
         if entry.zero == 0 and self.zero:
@@ -140,9 +146,6 @@ class ParallelConfig:
         if entry.zero is not None and self.zero != entry.zero:
             return [f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
                     f"leave --zero out or use --strategy zero{self.zero}"]
-        if self.zero and self.dp < 2 and grid_ok:  # (a grid mistake already says more)
-            return [f"strategy {self.strategy!r} shards over data-parallel ranks; on dp {self.dp} it would be a no-op "
-                    "(each rank owning everything is 'single'), so use --dp 2 or more (--nproc 2 or more)"]
         return []
 
     def check(self, world_size: int, model=None, global_batch: int | None = None,

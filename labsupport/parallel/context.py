@@ -324,7 +324,7 @@ class ContextParallelStep(Step):
                        "share of the sequence); use --pp 1")
         if config.zero:
             out.append(f"--cp {config.cp} runs with --zero 0 only (its gradients are averaged by DDP's buckets over "
-                       "dp x cp); use --strategy ddp or tp")
+                       "dp x cp): leave --zero out, or give --zero 0")
         if config.sequence_parallel:
             out.append("--sequence-parallel cuts the sequence over the TP ranks, --cp over the CP ranks; use one")
         if model is not None:

@@ -389,6 +389,15 @@ class DataParallelStep(Step):
                        "does not see whole; use it with --pp 1")
         return out
 
+    @classmethod
+    def shard_problems(cls, config) -> list[str]:
+        """A flavour that shards (ZeRO, any stage) needs data-parallel ranks to shard over."""
+        if config.zero in cls.zero_stages and config.zero and config.dp < 2:
+            return [f"strategy {config.strategy!r} shards over data-parallel ranks; on dp {config.dp} it would be a "
+                    "no-op (each rank owning everything is 'single'): give it --dp 2 or more (more ranks, or lower "
+                    "--tp, --pp or --cp)"]
+        return []
+
     def apply(self, parts, shared):
         self.wrapper = self.wrap(torch.nn.ModuleList(parts), shared)
         self._hooks = [part.register_forward_hook(lambda _module, _args, out: self.wrapper.mark_unused(out))

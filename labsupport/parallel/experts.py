@@ -285,7 +285,7 @@ class ExpertParallelStep(Step):
             out.append("--experts runs with --dp and --ep only, not with --tp, --pp or --cp")
         if config.zero:
             out.append("--experts runs with --zero 0 only (ZeRO's shards would cut across the experts that "
-                       "expert parallelism spreads); use --strategy ddp")
+                       "expert parallelism spreads): use --strategy ddp, or --zero 0")
         return out
 
     def apply(self, parts, shared):

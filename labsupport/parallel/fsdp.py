@@ -540,7 +540,7 @@ class FullyShardStep(DataParallelStep):
         if config.zero == 3 and (config.tp > 1 or config.pp > 1):
             return ["ZeRO-3 shards whole units over the DP group; it does not compose with --tp or --pp here: "
                     "use --zero 0 or 1"]
-        return []
+        return cls.shard_problems(config)
 
     def apply(self, parts, shared):
         (model,) = parts

@@ -230,7 +230,7 @@ class ZeROStep(DataParallelStep):
     def problems(cls, config, model=None, microbatches=None):
         if config.zero not in cls.zero_stages:
             return []
-        out = cls.bucket_problems(config)
+        out = cls.bucket_problems(config) + cls.shard_problems(config)
         if config.ddp_mode != "bucketed":
             out.append(f"ZeRO reduce-scatters DDP's buckets, so --ddp-mode must be bucketed (got {config.ddp_mode})")
         if config.zero == 2 and (config.tp > 1 or config.pp > 1):
