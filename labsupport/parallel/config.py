@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from .compose import Parallel, step_problems
-from .mesh import AXES
+from ..grid import AXES
 from .registry import STRATEGIES
 
 
-DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a strategy may set above 1 (registry's Entry.axes)
+DEGREES = (*AXES, "ep")  # what a strategy may set above 1 (registry's Entry.axes): the grid's axes and ep within dp
 
 
 class ConfigError(ValueError):
@@ -88,7 +88,7 @@ class ParallelConfig:
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
-        degrees = {axis: getattr(self, axis) for axis in (*AXES, "ep")}
+        degrees = {axis: getattr(self, axis) for axis in DEGREES}
         if min(degrees.values()) < 1:
             return [f"--dp, --tp, --pp, --cp and --ep must be >= 1, got {self._grid()} (--ep {self.ep})"]
         out = self._degree_problems(entry, world_size)

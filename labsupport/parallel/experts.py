@@ -292,7 +292,7 @@ class ExpertParallelStep(Step):
         for part in parts:
             apply_expert_parallel(part, self.group)
         self.experts = [p for part in parts for p in part.parameters() if not getattr(p, "allreduce", True)]
-        self.edp = self.mesh.groups["edp"] if self.mesh.dp > self.mesh.ep else None
+        self.edp = self.mesh.group("edp") if self.mesh.dp > self.mesh.ep else None
         return parts
 
     def finish_backward(self):
