@@ -308,8 +308,7 @@ class ExpertParallelStep(Step):
             g.copy_(piece.view_as(g))
 
     def norm(self, counted, scaled):
-        """Every rank of the ep group counts its own experts, the replicated rest on its first rank."""
-        mine = {id(p) for p in self.experts}
-        first = comm.get_rank(self.group) == 0
-        return [p for p in counted if id(p) in mine or first], scaled, self.group
+        """Every rank of the ep group counts its own experts, the replicated rest once (clip.count_once)."""
+        from .clip import count_once
+        return count_once(counted, self.experts, self.group), scaled, self.group
 
