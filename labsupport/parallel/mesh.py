@@ -50,8 +50,8 @@ class Mesh:
             raise ValueError(f"rank {self.rank} is outside a grid of {self.world_size} ranks")
         if self.dp % self.ep:
             raise ValueError(f"ep {self.ep} must divide dp {self.dp}: expert parallelism splits the data-parallel ranks")
-        coords = coordinates(self.rank, self.degrees)
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
+        self.coords = coordinates(self.rank, self.degrees)  # {axis: this rank's coordinate}
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
         self.ep_rank = self.dp_rank % self.ep
         self._groups = dict.fromkeys(GROUPS)
         self.embedding_group = None
@@ -116,7 +116,7 @@ class Mesh:
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's pipeline (same d, c and t)."""
-        return rank_of({**coordinates(self.rank, self.degrees), "pp": stage}, self.degrees)
+        return rank_of({**self.coords, "pp": stage}, self.degrees)
 
     @property
     def prev_stage_rank(self) -> int | None:
