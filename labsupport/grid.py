@@ -8,8 +8,11 @@ layer, the next-heaviest traffic); then the pipeline stage; data parallel varies
     rank = ((d * pp + p) * cp + c) * tp + t        for coordinates (d, p, c, t)
 
 A rank's group along one axis is the ranks that differ from it in that axis' coordinate only.
-Without context parallelism (cp = 1, the default) this is the 3D grid rank = (d * pp + p) * tp + t.
+Without context parallelism (cp = 1) this is Megatron-LM's 3D grid rank = (d * pp + p) * tp + t.
 Expert parallelism is no axis of its own: it borrows the data-parallel ranks (parallel/mesh.py).
+
+Degrees and coordinates are mappings by axis name ({"dp": 2, "tp": 2}; an axis left out has
+degree 1 and coordinate 0), so a new axis is one more name in AXES, not one more argument.
 
 Plain arithmetic, no torch: parallel/mesh.py builds the process groups from it, and the rank-grid
 widget and the notebooks draw and reason about the same order.
@@ -17,34 +20,49 @@ widget and the notebooks draw and reason about the same order.
 from __future__ import annotations
 
 from itertools import product
+from typing import Mapping
 
-MESH_AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
-AXES = ("dp", "pp", "tp")  # the 3D grid (cp = 1) that the rank-grid widget draws
-
-
-def rank_of(d: int, p: int, t: int, pp: int, tp: int, c: int = 0, cp: int = 1) -> int:
-    return ((d * pp + p) * cp + c) * tp + t
-
-
-def coordinates(rank: int, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
-    """(d, p, t) of `rank`: the inverse of rank_of (`cp_coordinate` gives c)."""
-    return rank // (pp * cp * tp), rank // (cp * tp) % pp, rank % tp
+AXES = ("dp", "pp", "cp", "tp")  # the grid's axes, slowest to fastest
+THREE_D = tuple(a for a in AXES if a != "cp")  # Megatron-LM's 3D grid: the axes every grid spans, even at degree 1
+# The process groups of a rank (beyond a pipeline's embedding group): one per axis, then Megatron-LM's
+# DP-CP group and expert parallelism's EP and expert-data-parallel groups (parallel/mesh.py).
+GROUPS = (*AXES, "dp_cp", "ep", "edp")
 
 
-def cp_coordinate(rank: int, tp: int, cp: int) -> int:
-    """c of `rank`: its place in its context-parallel ring."""
-    return rank // tp % cp
+def axes_of(degrees: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes a grid of `degrees` spans, slowest first: the 3D grid's always (their groups exist
+    even at degree 1, the rank-grid widget always draws them), any other only when above 1."""
+    return tuple(a for a in AXES if a in THREE_D or degrees.get(a, 1) > 1)
 
 
-def groups_along(axis: str, dp: int, pp: int, tp: int, cp: int = 1) -> list[list[int]]:
+def _checked(mapping: Mapping[str, int], what: str) -> Mapping[str, int]:
+    unknown = [a for a in mapping if a not in AXES]
+    if unknown:
+        raise ValueError(f"{what} name {', '.join(map(repr, unknown))}; the grid's axes are {', '.join(AXES)}")
+    return mapping
+
+
+def rank_of(coords: Mapping[str, int], degrees: Mapping[str, int]) -> int:
+    """The rank at `coords` in a grid of `degrees`."""
+    coords, degrees = _checked(coords, "the coordinates"), _checked(degrees, "the degrees")
+    rank = 0
+    for axis in AXES:
+        rank = rank * degrees.get(axis, 1) + coords.get(axis, 0)
+    return rank
+
+
+def coordinates(rank: int, degrees: Mapping[str, int]) -> dict[str, int]:
+    """{axis: coordinate} of `rank` for every axis, slowest first: the inverse of rank_of."""
+    degrees = _checked(degrees, "the degrees")
+    out = {}
+    for axis in reversed(AXES):
+        rank, out[axis] = divmod(rank, degrees.get(axis, 1))
+    return {axis: out[axis] for axis in AXES}
+
+
+def groups_along(axis: str, degrees: Mapping[str, int]) -> list[list[int]]:
     """Every group of one axis, each a list of ranks in order of that axis' coordinate."""
-    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-    others = [a for a in MESH_AXES if a != axis]
-    out = []
-    for fixed in product(*(range(sizes[a]) for a in others)):
-        members = []
-        for k in range(sizes[axis]):
-            c = {**dict(zip(others, fixed)), axis: k}
-            members.append(rank_of(c["dp"], c["pp"], c["tp"], pp, tp, c["cp"], cp))
-        out.append(members)
-    return out
+    degrees = _checked({**degrees, axis: degrees.get(axis, 1)}, "the degrees")
+    others = [a for a in AXES if a != axis]
+    return [[rank_of({**dict(zip(others, fixed)), axis: k}, degrees) for k in range(degrees[axis])]
+            for fixed in product(*(range(degrees.get(a, 1)) for a in others))]

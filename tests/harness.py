@@ -50,8 +50,8 @@ PLANTS = {
     ],
     # the tied embedding/head matrix, summed over the embedding group, counted on both stages
     "tied matrix counted twice in the norm": [
-        ("labsupport.parallel.pipeline", [("counted = [p for p in counted if p is not self.tied]",
-                                           "counted = list(counted)")]),
+        ("labsupport.parallel.pipeline", [("own = [p for p in counted if p is not self.tied]",
+                                           "own = list(counted)")]),
     ],
 }
 

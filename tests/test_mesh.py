@@ -4,50 +4,66 @@ import textwrap
 import pytest
 
 from labsupport.launch import launch
-from labsupport.grid import cp_coordinate
-from labsupport.parallel.mesh import coordinates, groups_along, rank_of
+from labsupport.grid import AXES, coordinates, groups_along, rank_of
 
 
-def coords4(rank, pp, tp, cp):
-    """(d, p, c, t): the four coordinates in the grid's order, slowest first."""
-    d, p, t = coordinates(rank, pp, tp, cp)
-    return d, p, cp_coordinate(rank, tp, cp), t
+def degrees(dp, pp, tp, cp=1):
+    return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
 
 
 @pytest.mark.parametrize("dp, pp, tp, cp", [(2, 2, 2, 1), (1, 2, 2, 1), (2, 1, 2, 1), (2, 2, 1, 1), (8, 1, 1, 1),
                                             (1, 1, 8, 1), (2, 3, 2, 1), (2, 1, 1, 2), (1, 2, 2, 2), (2, 2, 2, 3)])
 def test_every_rank_is_in_exactly_one_group_per_axis(dp, pp, tp, cp):
-    world = dp * pp * cp * tp
-    for axis, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
-        groups = groups_along(axis, dp, pp, tp, cp)
+    world, sizes = dp * pp * cp * tp, degrees(dp, pp, tp, cp)
+    for axis, size in sizes.items():
+        groups = groups_along(axis, sizes)
         assert len(groups) == world // size and all(len(g) == size for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(world))
         for g in groups:  # members differ in this axis' coordinate only, listed in its order
-            coords = [coords4(r, pp, tp, cp) for r in g]
-            position = ("dp", "pp", "cp", "tp").index(axis)
-            assert [c[position] for c in coords] == list(range(size))
-            assert len({c[:position] + c[position + 1:] for c in coords}) == 1
+            coords = [coordinates(r, sizes) for r in g]
+            assert [c[axis] for c in coords] == list(range(size))
+            assert len({tuple(v for a, v in c.items() if a != axis) for c in coords}) == 1
     for r in range(world):
-        d, p, c, t = coords4(r, pp, tp, cp)
-        assert rank_of(d, p, t, pp, tp, c, cp) == r == ((d * pp + p) * cp + c) * tp + t
+        c = coordinates(r, sizes)
+        assert tuple(c) == AXES  # slowest first
+        assert rank_of(c, sizes) == r == ((c["dp"] * pp + c["pp"]) * cp + c["cp"]) * tp + c["tp"]
+
+
+def test_an_axis_left_out_is_of_degree_1_and_an_unknown_one_is_refused():
+    assert coordinates(5, {"tp": 2, "dp": 3}) == {"dp": 2, "pp": 0, "cp": 0, "tp": 1}
+    assert rank_of({"dp": 2, "tp": 1}, {"tp": 2, "dp": 3}) == 5
+    assert groups_along("tp", {}) == [[0]]
+    with pytest.raises(ValueError, match="'ep'; the grid's axes are dp, pp, cp, tp"):
+        groups_along("ep", {"dp": 4})
+    with pytest.raises(ValueError, match="the coordinates name 'tpp'"):
+        rank_of({"tpp": 1}, {"tp": 2})
 
 
 def test_tensor_parallel_varies_fastest():
     """TP groups are neighbouring ranks (one node), DP groups the farthest apart (Megatron's order)."""
-    assert groups_along("tp", 2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert groups_along("pp", 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups_along("dp", 2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups_along("tp", degrees(2, 2, 2)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups_along("pp", degrees(2, 2, 2)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_along("dp", degrees(2, 2, 2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     # context parallel sits between them: dp 2 x cp 2 x tp 2
-    assert groups_along("cp", 2, 1, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups_along("dp", 2, 1, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups_along("cp", degrees(2, 1, 2, 2)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_along("dp", degrees(2, 1, 2, 2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
+
+def test_a_mesh_names_its_groups_and_refuses_a_name_it_lacks():
+    """On one process every group is the world of one rank (None); a misspelt name is an error, not a None."""
+    from labsupport.parallel.mesh import Mesh
+    mesh = Mesh(dp=2, tp=2, rank=3)
+    assert (mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank) == (1, 0, 0, 1)
+    assert mesh.group("tp") is None and mesh.replica_group is None
+    with pytest.raises(ValueError, match="no group 'dpcp'; it has dp, pp, cp, tp, dp_cp, ep, edp"):
+        mesh.group("dpcp")
 
 MESHES = textwrap.dedent("""
     import sys
     import torch
     import torch.distributed as dist
     from labsupport import comm, init, report
-    from labsupport.parallel.mesh import Mesh, groups_along
+    from labsupport.parallel.mesh import Mesh
 
     with init() as rt:
         results = {}
@@ -57,7 +73,7 @@ MESHES = textwrap.dedent("""
             comm.reset()
             members = {}
             for axis in ["dp", "pp", "tp"] + ["cp", "dp_cp"] * (cp > 1) + ["ep", "edp"] * (ep > 1):
-                group = mesh.groups[axis]
+                group = mesh.group(axis)
                 ranks = torch.zeros(rt.world_size)
                 ranks[rt.rank] = 1
                 comm.all_reduce(ranks, group=group)  # who is in my group, as the group itself says
@@ -92,7 +108,7 @@ def check(reports, dp, pp, tp, cp=1, ep=1, expected_extra=None):
         assert rank == ((d * pp + p) * cp + c) * tp + t
         axes = ("dp", "pp", "tp", *(("cp",) if cp > 1 else ()))
         for axis in axes:
-            expected = next(g for g in groups_along(axis, dp, pp, tp, cp) if rank in g)
+            expected = next(g for g in groups_along(axis, degrees(dp, pp, tp, cp)) if rank in g)
             assert got["members"][axis] == sorted(expected), (rank, axis)
             assert got["torch"][axis] == sorted(expected), f"torch's DeviceMesh disagrees on rank {rank} {axis}"
         for name, members in (expected_extra or {}).get(rank, {}).items():

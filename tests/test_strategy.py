@@ -5,7 +5,7 @@ import torch
 
 from labsupport import comm, runtime
 from labsupport.parallel import STRATEGIES, ConfigError, Entry, ParallelConfig
-from labsupport.parallel.clip import clip_grad_norm_
+from labsupport.parallel.clip import clip_grad_norm_, count_once
 from labsupport.parallel.strategy import Strategy
 from labsupport.model import ModelConfig
 from labsupport.train import build_parser, train
@@ -52,6 +52,17 @@ def test_clip_grad_norm_is_the_global_norm_and_scales_down_only():
     assert torch.equal(a.grad, torch.full((3,), 3.0)), "a norm under the limit leaves gradients alone"
     clip_grad_norm_([a, b], 1.0)
     assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+
+def test_a_replicated_gradient_is_counted_once_on_the_groups_rank_0(monkeypatch):
+    """count_once: a rank's own gradients on every rank, the ones every rank holds on rank 0 only (the tensor,
+    expert, FSDP and pipeline norms all take their rule from it)."""
+    shard, replica = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    group = object()  # the group count_once asks its rank in
+    for rank, counted in ((0, [shard, replica]), (1, [shard])):
+        monkeypatch.setattr(comm, "get_rank", lambda g=None, rank=rank: rank if g is group else -1)
+        assert list(map(id, count_once([shard, replica], [shard], group))) == list(map(id, counted)), rank
 
 
 NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)

@@ -6,7 +6,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from labsupport.grid import MESH_AXES, coordinates, cp_coordinate, groups_along, rank_of  # noqa: E402
+from labsupport.grid import AXES, THREE_D, coordinates, groups_along, rank_of  # noqa: E402
 from labsupport.widgets import rank_grid as rg  # noqa: E402
 from labsupport.widgets import show as sh  # noqa: E402
 from figures import cut_off_controls, figure_defects  # noqa: E402
@@ -26,11 +26,13 @@ def outlined(fig) -> int:
 @pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (3, 2, 4)])
 def test_the_default_order_is_meshs(dp, tp, pp):
     lay = rg.layout(dp, tp, pp, devices_per_node=4)
+    degrees = {"dp": dp, "pp": pp, "tp": tp}
+    assert lay.axes == THREE_D
     for rank in range(dp * tp * pp):
-        assert lay.coords[rank] == coordinates(rank, pp, tp)
+        assert lay.coords[rank] == tuple(coordinates(rank, degrees)[a] for a in THREE_D)
         assert lay.node(rank) == rank // 4
-    for axis in ("dp", "pp", "tp"):
-        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, dp, pp, tp)
+    for axis in THREE_D:
+        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, degrees)
 
 
 def test_dp_fastest_puts_every_tp_group_across_nodes():
@@ -220,14 +222,14 @@ def test_cp_varies_between_pp_and_tp_as_in_mesh(dp, pp, cp, tp):
     """grid.py: rank = ((d pp + p) cp + c) tp + t. Each rank's (d, p, c, t), each axis' groups, and the ranks that
     hold the same parameters (Mesh's dp_cp group: every d and c for one p and t) are grid.py's."""
     lay = rg.layout(dp, tp, pp, devices_per_node=4, cp=cp)
-    assert lay.axes == MESH_AXES and lay.order == ("tp", "cp", "pp", "dp") and lay.world_size == dp * pp * cp * tp
+    degrees = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    assert lay.axes == AXES and lay.order == ("tp", "cp", "pp", "dp") and lay.world_size == dp * pp * cp * tp
     for rank in range(lay.world_size):
-        d, p, t = coordinates(rank, pp, tp, cp)
-        assert lay.coords[rank] == (d, p, cp_coordinate(rank, tp, cp), t)
-    for axis in MESH_AXES:
-        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, dp, pp, tp, cp), axis
+        assert lay.coords[rank] == tuple(coordinates(rank, degrees).values())
+    for axis in AXES:
+        assert [list(g.ranks) for g in lay.groups[axis]] == groups_along(axis, degrees), axis
     assert sorted(g.ranks for g in lay.groups["dp_cp"]) == sorted(
-        tuple(sorted(rank_of(d, p, t, pp, tp, c, cp) for d in range(dp) for c in range(cp)))
+        tuple(sorted(rank_of({"dp": d, "pp": p, "cp": c, "tp": t}, degrees) for d in range(dp) for c in range(cp)))
         for p in range(pp) for t in range(tp))
 
 

@@ -7,7 +7,8 @@ on the first and the last stage, everything under DDP after the average). The no
 each gradient exactly once, and the scale must apply to every copy, or the copies drift apart.
 So the two lists are separate: `counted`, whose squares this rank adds, summed over `groups`;
 `scaled`, every gradient this rank holds. The composition (compose.py) builds both from its
-steps, each removing what another rank of its axis counts instead.
+steps, each removing what another rank of its axis counts instead, by one rule (`count_once`):
+a gradient every rank of a group holds alike is counted on the group's rank 0 only.
 """
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ import math
 import torch
 
 from .. import comm
+
+
+def count_once(params, own, group=None) -> list:
+    """Of `params`, those whose gradients this rank counts in a norm summed over `group`: those of
+    `own` (this rank's alone: a shard, its experts, its stage's layers) on every rank; the others,
+    which every rank of the group holds alike (replicated), on the group's rank 0 only, so that
+    each counts once (Megatron-LM's `param_is_not_tensor_parallel_duplicate`)."""
+    if comm.get_rank(group) == 0:
+        return list(params)
+    mine = {id(p) for p in own}
+    return [p for p in params if id(p) in mine]
 
 
 def global_grad_norm(counted, groups=(), device=None) -> float:

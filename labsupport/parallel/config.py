@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ..grid import AXES
 from .compose import step_problems
 from .registry import STRATEGIES
 
-DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a configuration may set above 1
+DEGREES = (*AXES, "ep")  # what a configuration may set above 1: the grid's axes, and ep within dp
 AXIS_WORDS = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
               "cp": "context parallelism"}  # what a name of ours may stand for (registry's Entry.names)
 

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import MLP
+from .clip import count_once
 from .step import Step
 
 
@@ -292,7 +293,7 @@ class ExpertParallelStep(Step):
         for part in parts:
             apply_expert_parallel(part, self.group)
         self.experts = [p for part in parts for p in part.parameters() if not getattr(p, "allreduce", True)]
-        self.edp = self.mesh.groups["edp"] if self.mesh.dp > self.mesh.ep else None
+        self.edp = self.mesh.group("edp") if self.mesh.dp > self.mesh.ep else None
         return parts
 
     def finish_backward(self):
@@ -308,8 +309,6 @@ class ExpertParallelStep(Step):
             g.copy_(piece.view_as(g))
 
     def norm(self, counted, scaled):
-        """Every rank of the ep group counts its own experts, the replicated rest on its first rank."""
-        mine = {id(p) for p in self.experts}
-        first = comm.get_rank(self.group) == 0
-        return [p for p in counted if id(p) in mine or first], scaled, self.group
+        """Every rank of the ep group counts its own experts, the replicated rest once (clip.count_once)."""
+        return count_once(counted, self.experts, self.group), scaled, self.group
 

@@ -58,7 +58,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .. import comm
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, count_once
 from .ddp import DataParallelStep, check_replicas, first_rank
 from .optim import adamw
 from .zero import Partition
@@ -487,8 +487,8 @@ class FSDPHandle:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so that their global L2 norm is at most `max_norm`; return the norm
         before. Each shard is counted once, and each replicated gradient once (not once per rank)."""
-        first = comm.get_rank(self.group) == 0
-        counted = [p for u in self.units for p in [*u.partition.params, *(u.replicated if first else [])]]
+        shards = [p for u in self.units for p in u.partition.params]
+        counted = count_once([*shards, *(p for u in self.units for p in u.replicated)], shards, self.group)
         device = self.units[0].device if self.units else None
         return clip_grad_norm_(counted, max_norm, (self.group,), scaled=list(self.module.parameters()), device=device)
 

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grid import MESH_AXES as AXES
-from ..grid import coordinates, cp_coordinate, groups_along, rank_of
+from ..grid import AXES, GROUPS, axes_of, coordinates, groups_along, rank_of
 
 
 @dataclass
@@ -35,7 +34,7 @@ class Mesh:
 
     On one process (or before torch.distributed is initialized) the groups are None, which
     comm treats as the world of one rank. The cp, dp_cp, ep and edp groups exist only where
-    their degree is above 1.
+    their degree is above 1. `group(name)` gives this rank's group of any name of GROUPS.
     """
 
     dp: int = 1
@@ -51,25 +50,24 @@ class Mesh:
             raise ValueError(f"rank {self.rank} is outside a grid of {self.world_size} ranks")
         if self.dp % self.ep:
             raise ValueError(f"ep {self.ep} must divide dp {self.dp}: expert parallelism splits the data-parallel ranks")
-        self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, self.pp, self.tp, self.cp)
-        self.cp_rank = cp_coordinate(self.rank, self.tp, self.cp)
+        self.coords = coordinates(self.rank, self.degrees)  # {axis: this rank's coordinate}
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
         self.ep_rank = self.dp_rank % self.ep
-        self.groups = {axis: None for axis in (*AXES, "dp_cp", "ep", "edp")}
+        self._groups = dict.fromkeys(GROUPS)
         self.embedding_group = None
         if comm.get_world_size() > 1:
-            axes = ("tp", "cp", "pp", "dp") if self.cp > 1 else ("tp", "pp", "dp")
-            for axis in axes:  # the same order on every rank
-                self._make(axis, groups_along(axis, self.dp, self.pp, self.tp, self.cp))
+            for axis in reversed(axes_of(self.degrees)):  # the same order on every rank, fastest axis first
+                self._make(axis, groups_along(axis, self.degrees))
             if self.cp > 1:
-                self._make("dp_cp", [[rank_of(d, p, t, self.pp, self.tp, c, self.cp)
+                self._make("dp_cp", [[rank_of({"dp": d, "pp": p, "cp": c, "tp": t}, self.degrees)
                                       for d in range(self.dp) for c in range(self.cp)]
                                      for p in range(self.pp) for t in range(self.tp)])
             if self.ep > 1:
-                dp_groups = groups_along("dp", self.dp, self.pp, self.tp, self.cp)
+                dp_groups = groups_along("dp", self.degrees)
                 self._make("ep", [g[i:i + self.ep] for g in dp_groups for i in range(0, self.dp, self.ep)])
                 self._make("edp", [g[e::self.ep] for g in dp_groups for e in range(self.ep)])
             if self.pp > 1:  # Megatron-LM's embedding group: the first and last stage share the tied matrix
-                for members in groups_along("pp", self.dp, self.pp, self.tp, self.cp):
+                for members in groups_along("pp", self.degrees):
                     group = comm.new_group([members[0], members[-1]], name="embedding")
                     if self.rank in (members[0], members[-1]):
                         self.embedding_group = group
@@ -80,22 +78,33 @@ class Mesh:
         for members in groups:
             group = comm.new_group(members, name=name)
             if self.rank in members:
-                self.groups[name] = group
+                self._groups[name] = group
+
+    def group(self, name: str):
+        """This rank's group `name` (one of GROUPS); None where it is the world of one rank, or absent."""
+        if name not in GROUPS:
+            raise ValueError(f"the mesh has no group {name!r}; it has {', '.join(GROUPS)}")
+        return self._groups[name]
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """{axis: degree} of the grid, for grid.py."""
+        return {axis: getattr(self, axis) for axis in AXES}
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
-    dp_group = property(lambda self: self.groups["dp"])
-    pp_group = property(lambda self: self.groups["pp"])
-    tp_group = property(lambda self: self.groups["tp"])
-    cp_group = property(lambda self: self.groups["cp"])
+    dp_group = property(lambda self: self.group("dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    tp_group = property(lambda self: self.group("tp"))
+    cp_group = property(lambda self: self.group("cp"))
 
     @property
     def replica_group(self):
         """The ranks holding the same replicated (dense) parameters, whose gradients data parallelism
         averages: the DP group, or with context parallelism the DP-CP group."""
-        return self.groups["dp_cp"] if self.cp > 1 else self.groups["dp"]
+        return self.group("dp_cp" if self.cp > 1 else "dp")
 
     @property
     def is_first_stage(self) -> bool:
@@ -107,7 +116,7 @@ class Mesh:
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's pipeline (same d, c and t)."""
-        return rank_of(self.dp_rank, stage, self.tp_rank, self.pp, self.tp, self.cp_rank, self.cp)
+        return rank_of({**self.coords, "pp": stage}, self.degrees)
 
     @property
     def prev_stage_rank(self) -> int | None:
@@ -128,6 +137,5 @@ class Mesh:
         """The same grid as torch's DeviceMesh (dims named dp, pp, tp; cp between them when above 1),
         for the torch references."""
         from .. import comm
-        if self.cp > 1:
-            return comm.device_mesh(device_type, (self.dp, self.pp, self.cp, self.tp), AXES)
-        return comm.device_mesh(device_type, (self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
+        axes = axes_of(self.degrees)
+        return comm.device_mesh(device_type, tuple(getattr(self, a) for a in axes), axes)

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..estimate.schedules import SCHEDULES, model_chunk
+from .clip import count_once
 from .pipeline_schedule import PipelineSchedule
 from .step import Step
 
@@ -128,11 +129,11 @@ class PipelineSplit(Step):
             comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)
 
     def norm(self, counted, scaled):
-        """Squares summed over the pipeline, the tied matrix counted on the first stage only; every
-        gradient scaled alike (both copies of the tied one, or they would drift apart)."""
-        if self.mesh.is_last_stage and self.tied is not None:
-            counted = [p for p in counted if p is not self.tied]
-        return counted, scaled, self.group
+        """Squares summed over the pipeline, the tied matrix (on the first and the last stage) counted
+        once, on the first (clip.count_once); every gradient scaled alike (both copies of the tied
+        one, or they would drift apart)."""
+        own = [p for p in counted if p is not self.tied]
+        return count_once(counted, own, self.group), scaled, self.group
 
     def reduce_loss(self, loss):
         """The last stage's loss, broadcast to every stage of the pipeline."""

@@ -24,7 +24,7 @@ class Step:
 
     def __init__(self, mesh, config):
         self.mesh, self.config = mesh, config
-        self.group = mesh.groups[self.axis]
+        self.group = mesh.group(self.axis)
 
     @classmethod
     def applies(cls, config) -> bool:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import MLP, CausalSelfAttention
+from .clip import count_once
 from .step import Step
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
@@ -375,16 +376,6 @@ def allreduce_sequence_parallel_gradients(model: nn.Module, group=None) -> None:
             p.grad.copy_(g.view_as(p.grad))
 
 
-def grad_norm_parameters(model: nn.Module, group=None) -> list[nn.Parameter]:
-    """The parameters whose gradients this rank counts in the global norm, summed over the group:
-    its shards, and the replicated parameters on the group's first rank only."""
-    sharded = sharded_parameters(model)
-    if comm.get_rank(group) != 0:
-        return sharded
-    ids = {id(p) for p in sharded}
-    return sharded + [p for p in model.parameters() if id(p) not in ids]
-
-
 # ====================================================================== the step of the composition
 
 class TensorParallelStep(Step):
@@ -425,8 +416,9 @@ class TensorParallelStep(Step):
             allreduce_sequence_parallel_gradients(part, self.group)
 
     def norm(self, counted, scaled):
-        mine = {id(p) for part in self.parts for p in grad_norm_parameters(part, self.group)}
-        return [p for p in counted if id(p) in mine], scaled, self.group
+        """The shards counted on every rank, the replicated parameters once (clip.count_once)."""
+        shards = [p for part in self.parts for p in sharded_parameters(part)]
+        return count_once(counted, shards, self.group), scaled, self.group
 
     def sampling(self, forward):
         """The whole vocabulary's logits, gathered from the shards. Sequence parallelism needs a length

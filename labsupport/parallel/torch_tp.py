@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from .. import comm
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, count_once
 from .torch_dtensor import LocalShardStrategy, local
 
 
@@ -84,9 +84,9 @@ class TorchTP(LocalShardStrategy):
         params = [p for p in model.parameters() if p.grad is not None]
         sharded = [p for p in params if isinstance(p, DTensor) and p.placements[0].is_shard()]
         replicated = [p for p in params if not any(p is q for q in sharded)]
-        counted = [SimpleNamespace(grad=local(p.grad)) for p in sharded]
+        shards = [SimpleNamespace(grad=local(p.grad)) for p in sharded]
         whole = [SimpleNamespace(grad=p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in replicated]
-        counted += whole if self.mesh.tp_rank == 0 else []
+        counted = count_once(shards + whole, shards, self.mesh.tp_group)
         views = [SimpleNamespace(grad=local(p.grad)) for p in params]  # the gradients' own storage
         return clip_grad_norm_(counted, max_norm, (self.mesh.tp_group,), scaled=views, device=self.rt.device)
 

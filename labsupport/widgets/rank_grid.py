@@ -28,10 +28,10 @@ from typing import NamedTuple
 from matplotlib import colormaps
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
-from ..grid import AXES, MESH_AXES, coordinates, cp_coordinate
+from ..grid import AXES, GROUPS, THREE_D, axes_of, coordinates
 from .figure import NotebookFigure, bytes_axis, figure_png, format_bytes
 
-ORDER = AXES[::-1]  # fastest to slowest: Mesh's order, rank = (d * pp + p) * tp + t (grid.py); cp goes next to tp
+ORDER = THREE_D[::-1]  # fastest to slowest: Mesh's order, rank = (d * pp + p) * tp + t (grid.py); cp goes next to tp
 ORDERS = [ORDER] + [o for o in permutations(ORDER) if o != ORDER]
 DRAWN = ("tp", "cp", "pp", "dp", "ep")  # what a figure can colour, in Mesh's order, fastest first, then EP within DP
 COLOUR_BY = (*DRAWN, "all")
@@ -75,9 +75,14 @@ class Layout(NamedTuple):
         return self.dp * self.pp * self.cp * self.tp
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """{axis: degree}, as grid.py takes them."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
     def axes(self) -> tuple[str, ...]:
-        """The coordinates of `coords`, slowest first: grid.AXES, with cp when it is above 1."""
-        return MESH_AXES if self.cp > 1 else AXES
+        """The coordinates of `coords`, slowest first: grid.THREE_D, with cp when it is above 1."""
+        return axes_of(self.degrees)
 
     @property
     def drawn(self) -> tuple[str, ...]:
@@ -103,8 +108,8 @@ class Layout(NamedTuple):
 
 def _group_key(name: str, c: dict, ep: int) -> tuple:
     """What the ranks of one group of `name` share: the coordinates that do not vary in it."""
-    if name in MESH_AXES:
-        return tuple(c[a] for a in MESH_AXES if a != name)
+    if name in AXES:
+        return tuple(c[a] for a in AXES if a != name)
     if name == "dp_cp":  # the ranks that hold the same parameters under CP (Megatron-LM's DP-CP group)
         return c["pp"], c["tp"]
     split = c["dp"] // ep if name == "ep" else c["dp"] % ep  # "ep": ep consecutive d; "edp": the same d mod ep
@@ -125,11 +130,12 @@ def layout(dp: int, tp: int, pp: int, devices_per_node: int, order: tuple[str, .
     if dp % ep:
         raise ValueError(f"ep {ep} must divide dp {dp}: expert parallelism splits the data-parallel ranks")
     order = tuple(order)
-    if sorted(order) == sorted(AXES) and cp > 1:
+    axes = axes_of({"cp": cp})
+    if sorted(order) == sorted(THREE_D) and cp > 1:
         order = order[:order.index("tp") + 1] + ("cp",) + order[order.index("tp") + 1:]
-    elif sorted(order) == sorted(MESH_AXES) and cp == 1:
+    elif sorted(order) == sorted(AXES) and cp == 1:
         order = tuple(a for a in order if a != "cp")
-    if sorted(order) != sorted(MESH_AXES if cp > 1 else AXES):
+    if sorted(order) != sorted(axes):
         raise ValueError(f"the rank order {order} must name each of tp, pp and dp once "
                          f"(and cp, or leave it next to tp)")
     coords = []
@@ -139,14 +145,13 @@ def layout(dp: int, tp: int, pp: int, devices_per_node: int, order: tuple[str, .
             c[axis], rest = rest % sizes[axis], rest // sizes[axis]
         coords.append(c)
     groups = {}
-    for name in (*MESH_AXES, "ep", "dp_cp", "edp"):
+    for name in GROUPS:
         members = {}  # the shared coordinates -> ranks, ascending (along an axis, ranks ascend with it)
         for rank, c in enumerate(coords):
             members.setdefault(_group_key(name, c, ep), []).append(rank)
         # Nodes hold consecutive ranks, so a group crosses nodes when its first and last rank do.
         groups[name] = [Group(tuple(r), r[0] // devices_per_node != r[-1] // devices_per_node)
                         for _, r in sorted(members.items())]
-    axes = MESH_AXES if cp > 1 else AXES
     return Layout(dp, tp, pp, devices_per_node, order, tuple(tuple(c[a] for a in axes) for c in coords), groups, cp, ep)
 
 
@@ -156,7 +161,7 @@ def traffic_split(lay: Layout, comm_groups: list[dict]) -> dict:
 
     `comm_groups` is a `labsupport.train.run(...)` summary's list, rank by rank, of {group: {op:
     {calls, payload_bytes, wire_bytes}}}. The run's ranks were placed by Mesh, so rank r did the
-    work of the coordinates grid.coordinates(r); the same coordinates send the same bytes
+    work of the coordinates grid.coordinates(r, degrees); the same coordinates send the same bytes
     wherever they sit. A group that spans nodes counts all its bytes as across:
     its ring's slowest hop, the network, sets its pace.
     """
@@ -164,8 +169,7 @@ def traffic_split(lay: Layout, comm_groups: list[dict]) -> dict:
         raise ValueError(f"the counters are of {len(comm_groups)} ranks, the grid has {lay.world_size}")
     split = {}
     for rank, groups in enumerate(comm_groups):
-        d, p, t = coordinates(rank, lay.pp, lay.tp, lay.cp)
-        mesh = {"dp": d, "pp": p, "cp": cp_coordinate(rank, lay.tp, lay.cp), "tp": t}
+        mesh = coordinates(rank, lay.degrees)
         here = lay.rank_at(tuple(mesh[a] for a in lay.axes))
         for name, ops in groups.items():
             if name not in GROUP_AXIS:
