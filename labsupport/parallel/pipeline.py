@@ -106,7 +106,7 @@ class PipelineSplit(Step):
 
     # ------------------------------------------------------------ placement
 
-    def apply(self, parts, shared):
+    def apply(self, parts, shared, owned):
         (model,) = parts
         p0 = next(model.parameters())
         self.hidden, self.vocab, self.dtype, self.device = model.cfg.hidden, model.cfg.padded_vocab, p0.dtype, p0.device
