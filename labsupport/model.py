@@ -16,8 +16,11 @@ can cut it without rewriting it (ARCHITECTURE.md, "The model"):
   64); the padded logits are -inf, so they never win and the mathematics is unchanged.
 * `forward` takes the positions of its tokens where they are not 0..t-1 (context parallelism
   gives a rank some positions of the sequence; attention reads them for its causal mask).
-* `cfg.experts > 0` makes every block's MLP a mixture of experts (parallel/experts.py's `MoE`),
-  whose load-balancing loss the training loss adds (experts.aux_loss).
+* `cfg.experts > 0` makes every block's MLP a mixture of experts (`MoE`, below). Its load-balancing
+  loss is recorded by the forward, not returned with the logits, so `model(x)` is the logits for
+  every strategy alike (a pipeline stage's, a tensor-parallel rank's, sampling's); the training loss
+  adds `model.aux_loss()` to `lm_loss`, as HF's Mixtral adds the `aux_loss` it returns beside its
+  logits. Expert parallelism (parallel/experts.py) replaces only where the layer's rows go.
 
 The shapes (ModelConfig, the presets, the padding rule) are torch-free data in
 `estimate/shapes.py`, so that sizing a model never imports torch; they are re-exported here.
@@ -61,13 +64,175 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """hidden -> ffn (GELU) -> hidden: the block's MLP (ffn = 4 hidden), and each expert of a mixture."""
+
+    def __init__(self, hidden: int, ffn: int, bias: bool = True):
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.fc = nn.Linear(hidden, ffn, bias=bias)
+        self.proj = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
+
+
+# ====================================================================== a mixture of experts
+
+def moe_problems(n_experts: int, top_k: int, capacity_factor: float | None) -> list[str]:
+    """What is wrong with this mixture of experts, one line per mistake."""
+    out = []
+    if not 1 <= top_k <= n_experts:
+        out.append(f"top_k {top_k}: each token chooses between 1 and n_experts ({n_experts}) experts")
+    if capacity_factor is not None and capacity_factor <= 0:
+        out.append(f"capacity_factor {capacity_factor}: it must be above 0 (1.0 holds a balanced load; "
+                   "None sets no capacity)")
+    return out
+
+
+class LocalDispatch:
+    """Where a mixture of experts' rows go: on one rank every expert is here, and nothing moves.
+
+    Expert parallelism puts an all-to-all in its place (parallel/experts.py), as Megatron-LM swaps
+    its token dispatchers. `ranks`: how many ranks route the layer's tokens together; `rank`: this
+    one among them; `all_gather(counts)` stacks every rank's counts; `all_to_all(rows, send, recv)`
+    sends send[i] rows to rank i and returns the recv[i] rows from each rank i, in rank order.
+    """
+
+    ranks, rank = 1, 0
+
+    def all_gather(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts.unsqueeze(0)
+
+    def all_to_all(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return rows
+
+
+class MoE(nn.Module):
+    """Token rows (..., hidden) in, the same shape out: each token's top_k experts' outputs, gated.
+
+    As Switch Transformer (Fedus et al. 2021) and Mixtral (Jiang et al. 2024) build it:
+
+    * the router is a linear map to one logit per expert; their softmax p gives each token's
+      probability for every expert, and the token goes to its `top_k` most probable experts with
+      those probabilities renormalised over the top_k as gates (Mixtral's softmax over the chosen
+      logits; GShard does the same for its top 2). `renormalize=False` keeps p itself, as Switch
+      does with top_k = 1, where the renormalised gate would always be 1 and teach the router nothing.
+    * each expert is an MLP (hidden -> ffn -> hidden, GELU, TinyGPT's init), so the layer takes the
+      place of `Block.mlp`. Experts are keyed by their global index (`experts.3.fc.weight`): on one
+      rank all of them, under expert parallelism this rank's.
+    * capacity: an expert takes at most C = ceil(capacity_factor x top_k x T / n_experts) of the
+      top_k x T assignments of T tokens (Switch's expert capacity, Sec. 2.2, times top_k as in
+      GShard's top-2 capacity 2T/E); the rest are dropped: they add nothing, the token goes on
+      through the residual. An expert's queue is filled as GShard's top-2 gating (Algorithm 1)
+      fills it, without its random second choice: every token's first choice before any token's
+      second, and within a choice by the token's position in the batch. The position is global
+      (rank r's tokens come after rank r-1's), so the same assignments are dropped whatever the
+      expert-parallel degree. `capacity_factor=None`: no capacity, nothing dropped (Mixtral).
+    * an expert no assignment reaches is not run: its parameters get no gradient (None), as any
+      unused parameter, and AdamW leaves them alone (no weight decay).
+    * the load-balancing loss, Switch eq. 4 without its alpha (`cfg.aux_loss_coef`, 1e-2 in
+      Switch): n_experts x sum_i f_i P_i, with f_i the fraction of assignments the router gave
+      expert i (before drops) and P_i its mean probability; 1 when the load is balanced. After each
+      forward, `aux_loss` holds it and `load` each expert's count of assignments routed to it and
+      dropped (plain ints, for a widget and the run's records), and the capacity.
+
+    One forward: route the tokens and count them per (choice, expert) on every rank (`dispatch.
+    all_gather`), from which each assignment's place in its expert's queue (hence whether it is
+    kept); sort the kept assignments by expert and send each its token's row (`dispatch.all_to_all`);
+    run each expert on its rows; send the outputs back the same way, and add each, scaled by its
+    gate, to the row of its token, which undoes the sort.
+    """
+
+    def __init__(self, hidden: int, ffn: int, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
+                 *, bias: bool = True, renormalize: bool = True):
+        super().__init__()
+        found = moe_problems(n_experts, top_k, capacity_factor)
+        if found:
+            raise ValueError("; ".join(found))
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.renormalize = renormalize
+        self.router = nn.Linear(hidden, n_experts, bias=False)  # Switch and Mixtral: no bias
+        self.experts = nn.ModuleDict({str(e): MLP(hidden, ffn, bias) for e in range(n_experts)})
+        for m in self.modules():  # TinyGPT's init; built inside it, its proj weights are rescaled as the MLP's
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        self.dispatch = LocalDispatch()
+        self.aux_loss: torch.Tensor | None = None
+        self.load: dict | None = None
+
+    def capacity(self, tokens: int) -> int:
+        """How many assignments one expert takes of `tokens` tokens' (all ranks' together)."""
+        if self.capacity_factor is None:
+            return tokens  # an expert is at most once among a token's choices
+        return math.ceil(self.capacity_factor * self.top_k * tokens / self.n_experts)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        k, n_experts, ep, me = self.top_k, self.n_experts, self.dispatch.ranks, self.dispatch.rank
+        local = [int(e) for e in self.experts]  # this rank's experts, ascending
+
+        # route: gate[t, j] weighs token t's j-th choice, expert choice[t, j]
+        probs = F.softmax(self.router(tokens), dim=-1)
+        gate, choice = probs.topk(k, dim=-1)
+        if self.renormalize:
+            gate = gate / gate.sum(dim=-1, keepdim=True)
+        chosen = F.one_hot(choice, n_experts)                     # (T, k, E)
+        counts = self.dispatch.all_gather(chosen.sum(dim=0))      # (ep, k, E): every rank's counts
+
+        # each assignment's place in its expert's queue: after all earlier choices of every rank,
+        # then after the earlier ranks' same choice, then after this rank's earlier tokens
+        per_choice = counts.sum(dim=0)
+        starts = (per_choice.cumsum(0) - per_choice) + (counts.cumsum(0) - counts)   # (ep, k, E)
+        before_me = (chosen.cumsum(0) - chosen).gather(2, choice.unsqueeze(2)).squeeze(2)
+        position = starts[me].gather(1, choice.t()).t() + before_me              # (T, k)
+        capacity = self.capacity(int(counts.sum()) // k)
+        kept = torch.minimum((capacity - starts).clamp(min=0), counts).sum(dim=1)  # (ep, E) rows kept
+
+        routed = counts.sum(dim=(0, 1))
+        self.aux_loss = n_experts * (routed / routed.sum() * probs.mean(dim=0)).sum()
+        self.load = {"routed": routed.tolist(), "dropped": (routed - kept.sum(dim=0)).tolist(), "capacity": capacity}
+
+        # dispatch: the kept assignments (index t k + j) sorted by expert, each sent as its token's row
+        assignment = (position < capacity).flatten().nonzero().squeeze(1)
+        order = assignment[choice.flatten()[assignment].argsort(stable=True)]
+        token = order // k
+        mine = kept[:, local]                                     # (ep, local experts): rows from each rank
+        send, recv = kept[me].view(ep, -1).sum(dim=1).tolist(), mine.sum(dim=1).tolist()
+        rows = self.dispatch.all_to_all(tokens[token], send, recv)
+
+        expert_of_row = torch.tensor(local, device=x.device).repeat(ep).repeat_interleave(mine.flatten())
+        out = self._run_experts(rows, expert_of_row, mine.sum(dim=0).tolist())
+
+        # combine: back in the order sent, gated, added to each assignment's token
+        out = self.dispatch.all_to_all(out, recv, send)
+        gated = out * gate.flatten()[order].unsqueeze(1)
+        return gated.new_zeros(tokens.shape).index_add(0, token, gated).view(x.shape)
+
+    def _run_experts(self, rows, expert_of_row, sizes):
+        """Each local expert on its rows (`sizes[i]` of them for the i-th); outputs in the rows' order.
+        An expert without rows is not run (it gets no gradient); its empty share of the rows stands in
+        for its output, in the dtype the experts compute in, so that the output still comes from the
+        rows: under expert parallelism every rank's backward then joins the all-to-alls, rows or not."""
+        by_expert = expert_of_row.argsort(stable=True)
+        device = rows.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
+        out = torch.cat([expert(chunk) if len(chunk) else chunk.to(dtype)
+                         for expert, chunk in zip(self.experts.values(), rows[by_expert].split(sizes))])
+        return torch.zeros_like(out).index_copy(0, by_expert, out)
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The mixture-of-experts layers in `module` (none in the dense model)."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def forward_stats(module: nn.Module) -> dict:
+    """What `module`'s layers recorded about its last forward, for a run's records: `expert_load`, each
+    mixture-of-experts layer's assignments routed to and dropped by each expert, and its capacity;
+    nothing for the dense model. Any module holding the model will do (a strategy's wrapper)."""
+    loads = [moe.load for moe in moe_layers(module) if moe.load is not None]
+    return {"expert_load": loads} if loads else {}
 
 
 class Block(nn.Module):
@@ -79,10 +244,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
         if cfg.experts:
-            from .parallel.experts import MoE  # (experts.py builds its experts from MLP, defined above)
             self.mlp = MoE(cfg.hidden, 4 * cfg.hidden, cfg.experts, cfg.top_k, cfg.capacity_factor, bias=cfg.bias)
         else:
-            self.mlp = MLP(cfg)
+            self.mlp = MLP(cfg.hidden, 4 * cfg.hidden, cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -146,6 +310,13 @@ class TinyGPT(nn.Module):
         if self.lm_head is not None:  # the last stage: hidden states -> logits
             x = self.lm_head(x) + self.vocab_padding.to(x.dtype)
         return x
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The term the training loss adds to `lm_loss`, from the last forward: the load-balancing losses
+        of the mixture-of-experts layers, summed over the layers (as Switch Transformer sums them), times
+        `cfg.aux_loss_coef`; None for the dense model. Validation reports `lm_loss` alone."""
+        losses = [moe.aux_loss for moe in moe_layers(self) if moe.aux_loss is not None]
+        return self.cfg.aux_loss_coef * torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, generator=None):

@@ -34,8 +34,7 @@ from .estimate.params import count_params
 from .estimate.schedules import SCHEDULES
 from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, PRESETS, ModelConfig, get_preset, preset_shape
 from .metrics import ActivationMeter, JsonlWriter, device_peak, grad_bytes, mfu, optimizer_bytes, param_bytes
-from .model import TinyGPT, generate
-from .parallel.experts import load as expert_load
+from .model import TinyGPT, forward_stats, generate
 from .parallel import DDP_MODES, STRATEGIES, ConfigError, ParallelConfig, make_strategy, strategy_names
 from .rundir import make_run_dir
 
@@ -384,7 +383,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
                   "tokens_per_s": tokens_per_step / dt, "mfu": mfu(tokens_per_step / dt / rt.world_size, cfg, peak_flops),
                   "memory": peaks, "comm": step_comm,
                   **({"loss_scale": scale, "skipped": scaler.skipped} if scaler is not None else {}),
-                  **({"expert_load": expert_load(model)} if cfg.experts else {})}  # the step's last micro-batch
+                  **forward_stats(model)}  # what the model's layers recorded of the step's last micro-batch
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
             val_losses.append([done, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
@@ -411,7 +410,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
               "model": {k: v for k, v in cfg.to_dict().items() if k in ("name", "n_layers", "hidden", "heads", "vocab", "seq_len")},
               "parallel": config.to_dict(), "steps": args.steps, "resumed_from": start_step,
               "step_s_median": sorted(timed)[len(timed) // 2] if timed else None,
-              **({"expert_load": record["expert_load"]} if cfg.experts and step_times else {})}
+              "forward_stats": forward_stats(model) if step_times else {}}
     if args.eval_batches:
         val_losses.append([args.steps, evaluate(strategy, model, corpus.val, cfg, args, rt.device)])
     result["val_losses"] = val_losses
@@ -493,7 +492,8 @@ def summarize(args, config: ParallelConfig, nproc: int, reports: list[dict], res
     summary = {key: r0[key] for key in ("model", "n_params", "losses", "grad_norms", "val_losses", "tokens_per_s",
                                         "mfu", "peak_flops", "peak_flops_source", "steps", "resumed_from",
                                         "step_s_median", "parallel")}
-    summary.update({key: r0[key] for key in ("loss_scales", "skipped_steps", "expert_load") if key in r0})  # fp16, MoE
+    summary.update({key: r0[key] for key in ("loss_scales", "skipped_steps") if key in r0})  # fp16
+    summary.update(r0["forward_stats"])  # what the model's layers recorded of the last step
     summary.update(strategy=args.strategy, world_size=nproc, sample=r0.get("sample"), dtype=args.dtype,
                    global_batch=args.global_batch,
                    micro_batch=config.micro_batch_size(args.global_batch, args.micro_batch),

@@ -123,6 +123,17 @@ def test_wrapping_again_replaces_the_first_wrapper_while_it_is_alive(world_of_on
     assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) == 0
 
 
+def test_parameters_left_out_of_params_are_neither_broadcast_nor_averaged(world_of_one):
+    """What expert parallelism relies on: a parameter that is not a replica (an expert) is left to its owner."""
+    model = mlp()
+    comm.reset()
+    ddp = DataParallel(model, bucket_mb=0, params=list(model[2].parameters()))
+    assert comm.counts()["broadcast"]["calls"] == 2
+    assert [p for b in ddp.buckets for p in b.params] == [model[2].bias, model[2].weight]
+    train(ddp, steps=1)
+    assert comm.counts()["all_reduce"]["calls"] == 2
+
+
 # ---------------------------------------------------------------- bucket_mb
 
 def test_bucket_sizes_none_and_inf_mean_one_bucket_zero_one_per_parameter(world_of_one):

@@ -21,7 +21,7 @@ def params_per_layer(cfg) -> int:
     """
     d = cfg.hidden
     vectors = 13 * d if cfg.bias else 2 * d
-    if cfg.experts:  # a mixture of experts in place of the MLP: E MLPs and the router's d x E (parallel/experts.py)
+    if cfg.experts:  # a mixture of experts in place of the MLP: E MLPs and the router's d x E (model.py's MoE)
         return 12 * d * d + vectors + (cfg.experts - 1) * expert_params(d, 4 * d, bias=cfg.bias) + d * cfg.experts
     return 12 * d * d + vectors
 

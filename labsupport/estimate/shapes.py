@@ -27,7 +27,7 @@ class ModelConfig:
     seq_len: int = 64
     bias: bool = True
     dropout: float = 0.0
-    # A mixture of experts in place of every block's MLP (parallel/experts.py's MoE); 0: the dense MLP.
+    # A mixture of experts in place of every block's MLP (model.py's MoE); 0: the dense MLP.
     experts: int = 0
     top_k: int = 2                       # experts each token goes to
     capacity_factor: float | None = None  # an expert's capacity, x its balanced share; None: no capacity, no drops

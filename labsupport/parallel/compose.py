@@ -10,7 +10,8 @@ model one after the other, each on its own axis of the rank grid (mesh.py), alwa
 3. context parallelism (`ContextParallelStep`, context.py, axis cp): ring attention, each rank
    keeping its share of every sequence;
 4. expert parallelism (`ExpertParallelStep`, experts.py, the dp ranks' ep groups): each rank keeps
-   its experts, marked so that data parallelism leaves them alone;
+   its experts, which it names to the later steps (`owned_parameters`) so that data parallelism
+   leaves them alone;
 5. data parallelism over the DP axis (with cp, dp x cp), in one of its flavours (`--zero` picks
    it): DDP's buckets (`DataParallelStep`, ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets
    and sharded optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
@@ -27,8 +28,8 @@ turn: the loss from the first step that has one (TP's is vocab-parallel); gradie
 reverse order (DP's buckets are waited for before the pipeline sums the tied matrix's copies);
 the gradient norm from what each step says is counted elsewhere (clip.py). The micro-batches are
 run by the pipeline's executor when there is a pipeline, else by the plain loop, each cut to this
-rank's share first (`Step.local_batch`). A mixture-of-experts model's load-balancing loss joins
-the training loss here (times `aux_loss_coef`); validation reports the language-model loss alone.
+rank's share first (`Step.local_batch`). The model's own auxiliary loss (`TinyGPT.aux_loss`) joins
+the training loss here; validation reports the language-model loss alone.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 from .clip import clip_grad_norm_
 from .context import ContextParallelStep
 from .ddp import DataParallelStep
-from .experts import ExpertParallelStep, aux_loss
+from .experts import ExpertParallelStep
 from .fsdp import FullyShardStep
 from .optim import adamw
 from .pipeline import PipelineSplit
@@ -69,7 +70,8 @@ def parallelize(model: torch.nn.Module, mesh, config, steps=STEPS) -> tuple[list
     parts = [model]
     for i, step in enumerate(steps):
         shared = [p for before in steps[:i] for p in before.shared_parameters()]  # as the model is now
-        parts = step.apply(parts, shared)
+        owned = [p for before in steps[:i] for p in before.owned_parameters()]
+        parts = step.apply(parts, shared, owned)
     return parts, steps
 
 
@@ -104,10 +106,10 @@ class Parallel(Strategy):
         return super().loss_fn(logits, targets)
 
     def loss_fn(self, logits, targets):
-        """The training loss: the language model's, plus the experts' load balancing where there are experts."""
+        """The training loss: the language model's, plus the model's own auxiliary term where it has one."""
         loss = self.lm_loss(logits, targets)
-        balance = aux_loss(self.parts[-1])
-        return loss if balance is None else loss + self.parts[-1].cfg.aux_loss_coef * balance
+        aux = self.parts[-1].aux_loss()
+        return loss if aux is None else loss + aux
 
     def no_sync(self, model):
         stack = ExitStack()

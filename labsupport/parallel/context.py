@@ -334,7 +334,7 @@ class ContextParallelStep(Step):
                            "use --dropout 0")
         return out
 
-    def apply(self, parts, shared):
+    def apply(self, parts, shared, owned):
         self.rank, self.cp = comm.get_rank(self.group), comm.get_world_size(self.group)
         self.rings = [apply_context_parallel(part, self.group) for part in parts]
         self._hooks = [part.register_forward_pre_hook(self._global_positions, with_kwargs=True) for part in parts]

@@ -25,9 +25,11 @@ alone (and removes its hooks). Nothing is left for the cycle collector, or for i
 shutdown: `finish_gradient_synchronization()` returns once the group's backend has let go of the
 step's communication too (see `comm`).
 
-A parameter marked `allreduce = False` (Megatron-LM's mark, which expert parallelism puts on the
-experts: each rank of the group holds other experts) is not a replica: it is neither broadcast nor
-averaged here; its owner reduces its gradient (experts.py).
+`params` names the parameters the group's ranks hold alike (default: all of the module's). One
+left out is not a replica (under expert parallelism each rank of the group holds other experts):
+it is neither broadcast nor averaged here; whoever gave it to this rank reduces its gradient
+(experts.py). Megatron-LM marks such a parameter on the tensor (`allreduce = False`); here the
+composition passes the list (compose.py).
 
 The hook is `register_post_accumulate_grad_hook`, which receives the *parameter* (read
 `param.grad`), not the gradient. Like torch DDP, we assume every rank has gradients for the
@@ -70,27 +72,24 @@ def first_rank(group) -> int:
     return comm.global_rank(group, 0)
 
 
-def replicated(module) -> list[torch.nn.Parameter]:
-    """The parameters every rank of a data-parallel group holds alike: all but those marked `allreduce = False`."""
-    return [p for p in module.parameters() if getattr(p, "allreduce", True)]
-
-
-def check_replicas(model, group=None) -> None:
+def check_replicas(model, group=None, params=None) -> None:
     """Raise if the group's ranks' parameters differ (e.g. seeded differently and never broadcast).
+    `params`: those to compare, held alike by every rank of the group (default: all of the model's).
 
     Compares a fingerprint per parameter (sum and sum of squares, in float64): the largest and
     the smallest value over the group's ranks must agree.
     """
-    names = [name for name, p in model.named_parameters() if getattr(p, "allreduce", True)]
+    replicas = {id(p) for p in (model.parameters() if params is None else params)}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in replicas]
     prints = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                          for p in replicated(model)])
+                          for _, p in named])
     high, low = prints.clone(), prints.clone()
     comm.all_reduce(high, "max", group=group)
     comm.all_reduce(low, "min", group=group)
     differ = (high != low).any(dim=1).nonzero()
     if len(differ):
         raise ValueError(f"model parameters differ between ranks ({len(differ)} tensors, first: "
-                         f"{names[differ[0].item()]}); broadcast rank {first_rank(group)}'s values or "
+                         f"{named[differ[0].item()][0]}); broadcast rank {first_rank(group)}'s values or "
                          "seed every rank alike")
 
 
@@ -190,11 +189,13 @@ class DataParallel(torch.nn.Module):
     wrapper, which nothing else keeps alive. `own_bucket` parameters travel in a bucket of their
     own: two wrappers on different modules then cut a parameter they share alike (a pipeline's
     tied embedding on its first and last stage, whose ZeRO shards must be the same elements).
+    `params`: the parameters to average, which every rank of the group holds alike (default: all of
+    the module's); the module's others are left alone (see the module docstring).
     """
 
     def __init__(self, module: torch.nn.Module, group=None, *, mode: str = "bucketed",
                  bucket_mb: float | None = 25.0, find_unused_parameters: bool = False, broadcast_init: bool = True,
-                 own_bucket=()):
+                 own_bucket=(), params=None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"DataParallel(mode=...) must be one of {', '.join(MODES)}, got {mode!r}")
@@ -202,6 +203,7 @@ class DataParallel(torch.nn.Module):
         if find_unused_parameters and mode != "bucketed":
             raise ValueError("DataParallel(find_unused_parameters=True) needs mode='bucketed'")
         self.module, self.group, self.mode = module, group, mode
+        self.params = list(module.parameters() if params is None else params)
         self.find_unused_parameters = find_unused_parameters
         self.own_bucket = {id(p) for p in own_bucket}
         self.sync = True
@@ -220,15 +222,15 @@ class DataParallel(torch.nn.Module):
         self._unhook = weakref.finalize(self, _remove_hooks, weakref.ref(module), self._hooks)
         self._unhook.atexit = False
         if broadcast_init:  # replicas must start identical: the group's first rank's values win
-            for tensor in [*replicated(module), *module.buffers()]:
+            for tensor in [*self.params, *module.buffers()]:
                 comm.broadcast(tensor.data, src=first_rank(group), group=group)
         else:
-            check_replicas(module, group)
+            check_replicas(module, group, self.params)
         if mode == "bucketed":
             self._make_buckets()
 
     def _trainable(self):
-        return [p for p in replicated(self.module) if p.requires_grad]  # frozen ones never communicate
+        return [p for p in self.params if p.requires_grad]  # frozen ones never communicate
 
     def _make_buckets(self):
         current, size = [], 0
@@ -359,7 +361,9 @@ class DataParallelStep(Step):
     the parameters are replicated over both, mesh.py). The chunks are called directly
     (the pipeline's executor calls each one), so the wrapper only holds the gradient hooks. The
     parameters other ranks also hold (`shared`: the tied matrix on two pipeline stages) get buckets
-    of their own, so that a flavour that shards buckets (ZeRO) cuts them alike on both stages."""
+    of their own, so that a flavour that shards buckets (ZeRO) cuts them alike on both stages; those
+    an earlier step gave each rank of its own (`owned`: the experts under expert parallelism) are
+    not replicas, and are left to that step."""
 
     axis = "dp"
     zero_stages = (0,)  # the --zero values this flavour is
@@ -398,16 +402,17 @@ class DataParallelStep(Step):
                     "--tp, --pp or --cp)"]
         return []
 
-    def apply(self, parts, shared):
-        self.wrapper = self.wrap(torch.nn.ModuleList(parts), shared)
+    def apply(self, parts, shared, owned):
+        module, not_replicas = torch.nn.ModuleList(parts), {id(p) for p in owned}
+        self.wrapper = self.wrap(module, shared, [p for p in module.parameters() if id(p) not in not_replicas])
         self._hooks = [part.register_forward_hook(lambda _module, _args, out: self.wrapper.mark_unused(out))
                        for part in parts] if self.config.find_unused_parameters else []
         return parts
 
-    def wrap(self, module, shared) -> DataParallel:
+    def wrap(self, module, shared, replicas) -> DataParallel:
         c = self.config
         return DataParallel(module, self.group, mode=c.ddp_mode, bucket_mb=c.bucket_mb,
-                            find_unused_parameters=c.find_unused_parameters, own_bucket=shared)
+                            find_unused_parameters=c.find_unused_parameters, own_bucket=shared, params=replicas)
 
     def no_sync(self):
         return self.wrapper.no_sync()

@@ -542,7 +542,7 @@ class FullyShardStep(DataParallelStep):
                     "use --zero 0 or 1"]
         return cls.shard_problems(config)
 
-    def apply(self, parts, shared):
+    def apply(self, parts, shared, owned):
         (model,) = parts
         self.dims = {id(p): p.dim() for p in model.parameters()}  # before they become 1-D shards
         self.handle = fully_shard(model, self.group, units=list(model.blocks.values()), prefetch=self.config.prefetch)

@@ -46,10 +46,12 @@ class Mesh:
 
     def __post_init__(self):
         from .. import comm
+        from .experts import problems  # expert parallelism's rule on the grid, stated there once
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a grid of {self.world_size} ranks")
-        if self.dp % self.ep:
-            raise ValueError(f"ep {self.ep} must divide dp {self.dp}: expert parallelism splits the data-parallel ranks")
+        found = problems(self.ep, dp=self.dp)
+        if found:
+            raise ValueError(found[0])
         self.coords = coordinates(self.rank, self.degrees)  # {axis: this rank's coordinate}
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (self.coords[a] for a in AXES)
         self.ep_rank = self.dp_rank % self.ep

@@ -96,7 +96,7 @@ class PipelineSplit(Step):
 
     # ------------------------------------------------------------ placement
 
-    def apply(self, parts, shared):
+    def apply(self, parts, shared, owned):
         (model,) = parts
         p0 = next(model.parameters())
         self.schedule = PipelineSchedule(self.mesh, self.config, model.cfg.hidden, model.cfg.padded_vocab, p0.dtype,

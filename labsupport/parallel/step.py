@@ -37,14 +37,20 @@ class Step:
         line per mistake; `microbatches` is the number a step runs, where the batch is known."""
         return []
 
-    def apply(self, parts: list[torch.nn.Module], shared: list) -> list[torch.nn.Module]:
+    def apply(self, parts: list[torch.nn.Module], shared: list, owned: list) -> list[torch.nn.Module]:
         """Do the step to this rank's model chunks (one without a pipeline); return them. `shared`:
-        the parameters earlier steps said other ranks also hold (`shared_parameters`)."""
+        the parameters earlier steps said other ranks also hold (`shared_parameters`); `owned`: those
+        they said are this rank's own (`owned_parameters`)."""
         return parts
 
     def shared_parameters(self) -> list:
         """Parameters that ranks outside this step's group also hold and update alike (a tied matrix
         on two pipeline stages): a later step that shards gradients must cut them the same way there."""
+        return []
+
+    def owned_parameters(self) -> list:
+        """Parameters this step gave each rank of its own, whose gradients it makes whole itself (the
+        experts under expert parallelism): not replicas, so data parallelism leaves them alone."""
         return []
 
     def make_optimizer(self, parts, lr: float, weight_decay: float):

@@ -402,7 +402,7 @@ class TensorParallelStep(Step):
                        "hold s/T positions); leave it out, or use --pp 1")
         return out
 
-    def apply(self, parts, shared):
+    def apply(self, parts, shared, owned):
         for part in parts:
             apply_tensor_parallel(part, self.group, sequence_parallel=self.config.sequence_parallel)
         self.parts = parts

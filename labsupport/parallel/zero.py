@@ -238,10 +238,11 @@ class ZeROStep(DataParallelStep):
                        "--tp or --pp above 1 use --zero 0 or 1")
         return out
 
-    def wrap(self, module, shared):
+    def wrap(self, module, shared, replicas):
         c = self.config
         return ShardedGradientDataParallel(module, self.group, keep_gradients=c.zero == 1, bucket_mb=c.bucket_mb,
-                                           find_unused_parameters=c.find_unused_parameters, own_bucket=shared)
+                                           find_unused_parameters=c.find_unused_parameters, own_bucket=shared,
+                                           params=replicas)
 
     def make_optimizer(self, parts, lr, weight_decay):
         self.optimizer = sharded_adamw(self.wrapper, lr, weight_decay)
