@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .compose import Parallel, step_problems
 from .mesh import AXES
 from .registry import STRATEGIES
 
 
+DDP_MODES = ("naive", "flat", "bucketed")  # --ddp-mode: how DataParallel all-reduces (ddp.py)
 DEGREES = ("dp", "tp", "pp", "cp", "ep")  # what a strategy may set above 1 (registry's Entry.axes)
 
 
@@ -84,7 +84,9 @@ class ParallelConfig:
 
     def problems(self, world_size: int, model=None, global_batch: int | None = None,
                  micro_batch: int | None = None) -> list[str]:
-        """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set."""
+        """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set. The steps
+        check their own options, so this imports the composition (and torch) when it runs."""
+        from .compose import Parallel, step_problems
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]

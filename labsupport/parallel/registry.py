@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from .compose import Parallel
-
 
 class Entry(NamedTuple):
     load: Callable[[], type]  # the strategy's class
@@ -19,9 +17,16 @@ class Entry(NamedTuple):
     default_zero: int = 0     # the stage when --zero is not given, where it chooses
 
 
+def parallel():
+    """The composition's strategy, imported when a rank builds it: the launcher and `labsupport train
+    --help` read these entries without importing torch."""
+    from .compose import Parallel
+    return Parallel
+
+
 def preset(axes: tuple[str, ...], zero: int | None = 0) -> Entry:
     """One of ours: the composition, with these degrees and ZeRO stage."""
-    return Entry(lambda: Parallel, axes, zero)
+    return Entry(parallel, axes, zero)
 
 
 def torch_ddp():
