@@ -354,7 +354,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="labsupport", description="Distributed training, built from scratch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
@@ -375,14 +375,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     la.add_argument("-m", dest="module", default=None, help="run a module instead of a script")
     la.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or, after -m MODULE, ARGS")
 
-    # The train flags come from labsupport.train, which imports torch (a second at start-up): only
-    # `labsupport train` itself needs them, so the other commands get the name and its help line.
-    parents = []
-    if with_train:
-        from .train import build_parser as train_parser
-        parents = [train_parser()]
-    tr = sub.add_parser("train", help="train TinyGPT with a strategy on N ranks", parents=parents,
-                        add_help=not parents, conflict_handler="resolve")
+    from .train import build_parser as train_parser  # the launcher side only: no torch
+    tr = sub.add_parser("train", help="train TinyGPT with a strategy on N ranks", parents=[train_parser()],
+                        add_help=False, conflict_handler="resolve")
     tr.add_argument("--nproc", type=int, default=1)
     tr.add_argument("--timeout", type=float, default=None)
     tr.add_argument("--ranks", default="0", help="whose output to show: 0 (default) or all")
@@ -479,8 +474,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(with_train=argv[:1] == ["train"])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "doctor":
             return cmd_doctor(args)

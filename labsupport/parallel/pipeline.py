@@ -72,7 +72,7 @@ class PipelineSplit(Step):
     stage as (start_s, end_s, op, microbatch, chunk), seconds from the start of `forward_backward`,
     for a measured Gantt chart; `events_origin` is that start on `time.perf_counter()`, whose clock
     (CLOCK_MONOTONIC) the processes of one host share, so that a run's report can put every stage
-    on one time axis (`train.py` shifts each stage by its origin minus the earliest).
+    on one time axis (`train.shared_clock` shifts each stage by its origin minus the earliest).
     """
 
     axis = "pp"
