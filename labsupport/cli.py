@@ -40,14 +40,14 @@ def cmd_doctor(args) -> int:
             print(json.dumps({"gpus": torch.cuda.device_count(), "checks": results}))
         return 0 if all(r["ok"] for r in results) else 1
 
-    from .runtime import _cpu_count, pick_device, recommended_nproc
+    from .runtime import cpu_count, pick_device, recommended_nproc
     device, backend = pick_device(0, 1)
     info = {
         "python": platform.python_version(), "torch": torch.__version__,
         "backends": {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi")},
         "cuda_available": torch.cuda.is_available(), "gpus": torch.cuda.device_count(),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "cpu_cores": _cpu_count(), "device": str(device), "backend": backend,
+        "cpu_cores": cpu_count(), "device": str(device), "backend": backend,
         "recommended_nproc": recommended_nproc(),
     }
     names = f" ({', '.join(info['gpu_names'])})" if info["gpu_names"] else ""
@@ -142,7 +142,7 @@ def cmd_memory(args) -> int:
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
                           recompute=args.recompute, bytes_override=override, n_params=args.params, offload=args.offload)
-    from .widgets.figure import format_bytes as gb
+    from .units import format_bytes as gb
     recipe = "bytes given" if override else f"{args.precision} recipe"
     human = (f"{est['n_params']:,} parameters ({recipe}); per device: params {gb(est['params'])}, "
              f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
