@@ -113,10 +113,15 @@ def cmd_train(args) -> int:
 
 def _model(args, alternative: str = ""):
     """The model `memory` and `plan` size: --model PRESET (a CPU preset with --vocab, or the
-    shipped corpus's), or the shape flags."""
+    shipped corpus's; --seq-len trains it at another context length, which changes the activations),
+    or the shape flags."""
     from .estimate.shapes import ModelConfig, preset_shape
     if args.model:
-        return preset_shape(args.model, args.vocab)
+        ignored = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None]
+        if ignored:
+            raise UsageError(f"--model {args.model} has its own shape, so {' '.join(ignored)} would be ignored: "
+                             "drop them or --model (a preset takes --seq-len and --vocab)")
+        return preset_shape(args.model, args.vocab, seq_len=args.seq_len)
     missing = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads", "vocab", "seq_len")
                if getattr(args, f) is None]
     if missing:
@@ -127,7 +132,15 @@ def _model(args, alternative: str = ""):
 
 def cmd_memory(args) -> int:
     from .estimate.memory import estimate_memory
-    cfg = None if args.params and not args.model else _model(args, "--params N, ")
+    if args.params is not None:  # the model states of a count alone: no shape
+        if not args.params >= 1:
+            raise UsageError(f"--params must be a positive parameter count, e.g. 7.5e9 (got {args.params:g})")
+        shape = [f"--{f.replace('_', '-')}" for f in ("model", "layers", "hidden", "heads", "vocab", "seq_len")
+                 if getattr(args, f) is not None]
+        if shape:
+            raise UsageError(f"--params counts the model states only, so {' '.join(shape)} would be ignored: "
+                             "give --params alone, or the shape without it")
+    cfg = None if args.params is not None else _model(args, "--params N, ")
     override = None
     flags = {"params": "--param-bytes", "grads": "--grad-bytes", "optimizer": "--optimizer-bytes"}
     given = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
@@ -256,13 +269,9 @@ def cmd_plan(args) -> int:
         return _check_config(args)
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
-    from dataclasses import replace
-
     from .estimate.params import count_params
     from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
-    if args.model and args.seq_len is not None:  # a preset trained at another context length (long-context stage)
-        cfg = replace(cfg, seq_len=args.seq_len)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
     if args.top < 1:
         raise UsageError(f"--top must be >= 1 (got {args.top})")
