@@ -224,7 +224,7 @@ def follow_accelerate_config(args, nproc: int) -> int:
 
 
 def run(nproc: int = 1, timeout: float | None = None, ranks: str = "0", out=None, **options) -> dict:
-    """Launch this loop on `nproc` ranks and return its summary (the `labsupport train --json` object).
+    """Launch the loop (loop.py) on `nproc` ranks and return its summary (the `labsupport train --json` object).
 
     `options` are the command-line flags as keywords: `run(strategy="ddp", nproc=2, steps=20)`.
     Arguments are checked here, before any process starts.
