@@ -40,14 +40,14 @@ def cmd_doctor(args) -> int:
             print(json.dumps({"gpus": torch.cuda.device_count(), "checks": results}))
         return 0 if all(r["ok"] for r in results) else 1
 
-    from .runtime import _cpu_count, pick_device, recommended_nproc
+    from .runtime import cpu_count, pick_device, recommended_nproc
     device, backend = pick_device(0, 1)
     info = {
         "python": platform.python_version(), "torch": torch.__version__,
         "backends": {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi")},
         "cuda_available": torch.cuda.is_available(), "gpus": torch.cuda.device_count(),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "cpu_cores": _cpu_count(), "device": str(device), "backend": backend,
+        "cpu_cores": cpu_count(), "device": str(device), "backend": backend,
         "recommended_nproc": recommended_nproc(),
     }
     names = f" ({', '.join(info['gpu_names'])})" if info["gpu_names"] else ""
@@ -113,10 +113,15 @@ def cmd_train(args) -> int:
 
 def _model(args, alternative: str = ""):
     """The model `memory` and `plan` size: --model PRESET (a CPU preset with --vocab, or the
-    shipped corpus's), or the shape flags."""
+    shipped corpus's; --seq-len trains it at another context length, which changes the activations),
+    or the shape flags."""
     from .estimate.shapes import ModelConfig, preset_shape
     if args.model:
-        return preset_shape(args.model, args.vocab)
+        ignored = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None]
+        if ignored:
+            raise UsageError(f"--model {args.model} has its own shape, so {' '.join(ignored)} would be ignored: "
+                             "drop them or --model (a preset takes --seq-len and --vocab)")
+        return preset_shape(args.model, args.vocab, seq_len=args.seq_len)
     missing = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads", "vocab", "seq_len")
                if getattr(args, f) is None]
     if missing:
@@ -127,7 +132,15 @@ def _model(args, alternative: str = ""):
 
 def cmd_memory(args) -> int:
     from .estimate.memory import estimate_memory
-    cfg = None if args.params and not args.model else _model(args, "--params N, ")
+    if args.params is not None:  # the model states of a count alone: no shape
+        if not args.params >= 1:
+            raise UsageError(f"--params must be a positive parameter count, e.g. 7.5e9 (got {args.params:g})")
+        shape = [f"--{f.replace('_', '-')}" for f in ("model", "layers", "hidden", "heads", "vocab", "seq_len")
+                 if getattr(args, f) is not None]
+        if shape:
+            raise UsageError(f"--params counts the model states only, so {' '.join(shape)} would be ignored: "
+                             "give --params alone, or the shape without it")
+    cfg = None if args.params is not None else _model(args, "--params N, ")
     override = None
     flags = {"params": "--param-bytes", "grads": "--grad-bytes", "optimizer": "--optimizer-bytes"}
     given = {"params": args.param_bytes, "grads": args.grad_bytes, "optimizer": args.optimizer_bytes}
@@ -142,7 +155,7 @@ def cmd_memory(args) -> int:
     est = estimate_memory(cfg, micro_batch=args.micro_batch, precision=args.precision, dp=args.dp, tp=args.tp,
                           pp=args.pp, zero=args.zero, sequence_parallel=args.sequence_parallel,
                           recompute=args.recompute, bytes_override=override, n_params=args.params, offload=args.offload)
-    from .widgets.figure import format_bytes as gb
+    from .units import format_bytes as gb
     recipe = "bytes given" if override else f"{args.precision} recipe"
     human = (f"{est['n_params']:,} parameters ({recipe}); per device: params {gb(est['params'])}, "
              f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
@@ -256,13 +269,9 @@ def cmd_plan(args) -> int:
         return _check_config(args)
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
-    from dataclasses import replace
-
     from .estimate.params import count_params
     from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
-    if args.model and args.seq_len is not None:  # a preset trained at another context length (long-context stage)
-        cfg = replace(cfg, seq_len=args.seq_len)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
     if args.top < 1:
         raise UsageError(f"--top must be >= 1 (got {args.top})")
@@ -354,7 +363,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="labsupport", description="Distributed training, built from scratch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
@@ -375,14 +384,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     la.add_argument("-m", dest="module", default=None, help="run a module instead of a script")
     la.add_argument("target", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or, after -m MODULE, ARGS")
 
-    # The train flags come from labsupport.train, which imports torch (a second at start-up): only
-    # `labsupport train` itself needs them, so the other commands get the name and its help line.
-    parents = []
-    if with_train:
-        from .train import build_parser as train_parser
-        parents = [train_parser()]
-    tr = sub.add_parser("train", help="train TinyGPT with a strategy on N ranks", parents=parents,
-                        add_help=not parents, conflict_handler="resolve")
+    from .train import build_parser as train_parser  # the launcher side only: no torch
+    tr = sub.add_parser("train", help="train TinyGPT with a strategy on N ranks", parents=[train_parser()],
+                        add_help=False, conflict_handler="resolve")
     tr.add_argument("--nproc", type=int, default=1)
     tr.add_argument("--timeout", type=float, default=None)
     tr.add_argument("--ranks", default="0", help="whose output to show: 0 (default) or all")
@@ -479,8 +483,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(with_train=argv[:1] == ["train"])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "doctor":
             return cmd_doctor(args)

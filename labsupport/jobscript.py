@@ -99,7 +99,7 @@ def _check_train_args(argv: list[str], world_size: int) -> str | None:
         flag = word.split("=")[0]
         if flag in _LOCAL_ONLY:
             raise ValueError(f"drop {flag} from the training command: in a job, {_LOCAL_ONLY[flag]}")
-    from .train import build_parser, validate  # imports torch: only when a training command is checked
+    from .train import build_parser, validate  # validate imports torch (the steps check): only for a training command
 
     def refuse(message):
         raise ValueError(f"training arguments: {message}")

@@ -39,6 +39,9 @@ DEFAULT_NOTEBOOK_TIMEOUT = 600
 # script that never calls labsupport.init() never says it is up).
 STARTUP_TIMEOUT_S = 60
 UP_ENV = "LABSUPPORT_SAY_UP"   # set by launch(): labsupport.init() then leaves up-rank{k} in the run directory
+# What each rank leaves for its launcher to read back about this launch: its report()s, up and exit marks,
+# error, pid and stack dump. A run directory used again holds the last launch's (forget_earlier_launch).
+RANK_RECORDS = ("report-rank*.jsonl", "up-rank*", "exit-rank*", "error-rank*.json", "pid-rank*", "stack-rank*.txt")
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|communicator was aborted|Broken pipe", re.I)
 
@@ -218,6 +221,16 @@ class RunResult:
 
 # ---------------------------------------------------------------- the launcher
 
+def forget_earlier_launch(run_dir: Path) -> None:
+    """Remove what an earlier launch's ranks left in `run_dir` for their launcher (RANK_RECORDS): a
+    notebook cell run again with the same run_dir must get this launch's reports, not the last one's
+    merged in, nor its exit marks or a pid that may be another process's by now. The logs and the
+    metrics are appended to, a history a person reads (and a resumed run continues)."""
+    for pattern in RANK_RECORDS:
+        for path in run_dir.glob(pattern):
+            path.unlink()
+
+
 def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | None = None,
            run_dir=None, ranks: str = "all", device: str = "auto", name: str | None = None,
            env: dict | None = None, check: bool = True, check_collectives: bool = False,
@@ -256,6 +269,7 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
         run_dir = make_run_dir(run_dir, name or Path(script or module).stem)
     except RunDirError as e:
         raise LaunchError(str(e)) from None
+    forget_earlier_launch(run_dir)
     out = out or sys.stdout
     shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
 

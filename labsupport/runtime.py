@@ -51,12 +51,12 @@ def detect(env=None) -> RankInfo:
             world = int(env[w])
             local_world = env.get(lw, "")
             # Slurm writes e.g. "4(x2)" for tasks per node; the leading number is ours.
-            local_world = int(local_world.split("(")[0]) if local_world else min(world, _cpu_count())
+            local_world = int(local_world.split("(")[0]) if local_world else min(world, cpu_count())
             return RankInfo(int(env[r]), world, int(env.get(lr, 0)), local_world, launcher)
     return RankInfo()
 
 
-def _cpu_count() -> int:
+def cpu_count() -> int:
     """The cores this process's ranks may use: LABSUPPORT_CPUS where the machine is shared with
     other work that this process cannot see (a JupyterHub node, the test suite's workers), else
     the cores it may run on."""
@@ -73,7 +73,7 @@ def recommended_nproc() -> int:
     """One rank per GPU; on CPU, no more ranks than cores (and at least 2 to see communication)."""
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return max(2, min(_cpu_count(), 8))
+    return max(2, min(cpu_count(), 8))
 
 
 def pick_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
@@ -108,8 +108,8 @@ def threads_per_rank(local_world_size: int, launcher: str = "torchrun") -> int:
     cores Slurm already set aside for it."""
     given = os.environ.get("SLURM_CPUS_PER_TASK", "")
     if launcher == "slurm" and given.isdigit():
-        return max(1, min(int(given), _cpu_count()))
-    return max(1, _cpu_count() // max(1, local_world_size))
+        return max(1, min(int(given), cpu_count()))
+    return max(1, cpu_count() // max(1, local_world_size))
 
 
 def seed_everything(seed: int) -> None:

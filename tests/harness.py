@@ -42,7 +42,7 @@ PLANTS = {
     ],
     # fp16: the clip measures the gradients while they are still multiplied by the loss scale
     "clip before unscale": [
-        ("labsupport.train", [("""    if scaler is not None:
+        ("labsupport.loop", [("""    if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = strategy.clip_grad_norm_(model, grad_clip)""", """    grad_norm = strategy.clip_grad_norm_(model, grad_clip)
     if scaler is not None:
@@ -104,7 +104,8 @@ def train(strategy: str, nproc: int, *args, settings=NANO, env: dict | None = No
 BATCH = """
 import json, sys
 from labsupport import runtime
-from labsupport.train import load_checked, train
+from labsupport.loop import train
+from labsupport.train import load_checked
 with runtime.init() as rt:
     for checked in json.load(open(sys.argv[1])):
         args, cfg, config = load_checked(checked)

@@ -23,7 +23,7 @@ from labsupport.estimate.params import count_params, params_per_layer, rule_of_t
 from labsupport.metrics import ActivationMeter
 from labsupport.model import PRESETS, ModelConfig, TinyGPT, lm_loss
 
-from conftest import run_cli
+from conftest import cli, run_cli
 
 GB = 1e9
 
@@ -312,6 +312,27 @@ def test_cli_memory_bad_offload_is_one_line(flags, message):
     res = run_cli("memory", "--params", "7.5e9", *flags)
     assert res.returncode == 2 and res.stdout == ""
     assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--params", "-5"], "--params must be a positive parameter count"),   # was: negative bytes
+    (["--params", "0"], "--params must be a positive parameter count"),
+    (["--params", "7.5e9", "--seq-len", "4096"], "--seq-len would be ignored"),
+    (["--params", "7.5e9", "--model", "gpt2"], "--model would be ignored"),
+    (["--model", "gpt2", "--layers", "3"], "--layers would be ignored"),
+])
+def test_cli_memory_refuses_what_it_would_get_wrong_or_ignore(flags, message):
+    res = cli("memory", *flags)
+    assert res.returncode == 2 and res.stdout == ""
+    assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_cli_memory_trains_a_preset_at_its_seq_len():
+    """`memory --model PRESET --seq-len N`, as `plan` reads it: the preset at context length N (was: N ignored)."""
+    base, longer = (json.loads(cli("memory", "--model", "gpt2", *flags, "--json").stdout.splitlines()[-1])
+                    for flags in ([], ["--seq-len", "4096"]))
+    assert longer == estimate_memory(replace(PRESETS["gpt2"], seq_len=4096), micro_batch=1)
+    assert longer["activations"] > 3 * base["activations"]
 
 
 # ---------------------------------------------------------------- memory: activations

@@ -1,4 +1,4 @@
-"""fp16 with dynamic loss scaling (parallel/loss_scale.py, train.train_step): every preset equals the
+"""fp16 with dynamic loss scaling (parallel/loss_scale.py, loop.train_step): every preset equals the
 fp32 reference within fp16's tolerance, an overflow is skipped, counted and halves the scale on every
 rank alike, and the two mistakes that break it (clipping the scaled gradients; deciding to skip from
 one rank's shard) fail these tests.
@@ -176,7 +176,7 @@ def test_planted_clip_before_unscale_fails_the_comparison(tmp_path):
 
 def test_the_plant_swaps_unscale_and_clip():
     (module, [(old, new)]), = PLANTS["clip before unscale"]
-    assert module == "labsupport.train" and old.index("unscale_") < old.index("clip_grad_norm_")
+    assert module == "labsupport.loop" and old.index("unscale_") < old.index("clip_grad_norm_")
     assert new.index("clip_grad_norm_") < new.index("unscale_")
 
 

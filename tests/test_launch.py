@@ -44,9 +44,17 @@ OK = """
 
 
 def test_two_ranks_run_stream_and_report(tmp_path):
+    """The run directory is used again, as by a notebook cell run twice: what the earlier launch's
+    ranks left (a report, an error, a pid) is not this launch's."""
     out = io.StringIO()
-    res = launch(script(tmp_path, OK), nproc=2, run_dir=tmp_path / "run", out=out)
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "report-rank1.jsonl").write_text('{"sum": 99.0, "stale": true}\n')
+    (earlier / "error-rank0.json").write_text('{"rank": 0, "error": "stale"}')
+    (earlier / "pid-rank0").write_text("1")
+    res = launch(script(tmp_path, OK), nproc=2, run_dir=earlier, out=out)
     assert res.ok and res.exit_codes == {0: 0, 1: 0}
+    assert not (earlier / "error-rank0.json").exists() and (earlier / "pid-rank0").read_text() != "1"
     lines = out.getvalue().splitlines()
     assert "[rank 0] sum=3.0" in lines and "[rank 1] sum=3.0" in lines
     assert res.report(1) == {"sum": 3.0, "rank": 1, "world": 2}

@@ -136,13 +136,14 @@ for argv in ({commands}):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(argv) == 0, argv
 import labsupport.estimate.published, labsupport.estimate.scaling, labsupport.estimate.tp_comm  # noqa: E401
-print(sorted(m for m in ("torch", "labsupport.model", "labsupport.data") if m in sys.modules))
+print(sorted(m for m in ("torch", "matplotlib", "labsupport.model", "labsupport.data") if m in sys.modules))
 """
 
 
 def test_memory_and_plan_run_without_torch():
     """Sizing a model is arithmetic on torch-free shapes (estimate/shapes.py): `labsupport memory` and
-    `plan`, a CPU preset with the corpus's vocabulary included, never import torch or the model."""
+    `plan`, a CPU preset with the corpus's vocabulary included, never import torch or the model, nor
+    matplotlib for the bytes they print (units.py)."""
     commands = [["plan", *FRONTIER_175B, "--top", "3"], ["plan", *WORKSHOP_175B, "--emit", "megatron", "--json"],
                 ["plan", *WORKSHOP_175B, "--emit", "deepspeed"],
                 ["plan", "--model", "mini", "--gpus", "8", "--machine", "dgx-h100"], ["plan", *LONG_70B, "--json"],

@@ -39,7 +39,7 @@ def _gpus(monkeypatch, count):
 def test_cpu_gets_gloo_and_threads_are_split(monkeypatch):
     _gpus(monkeypatch, 0)
     assert runtime.pick_device(0, 2) == (torch.device("cpu"), "gloo")
-    monkeypatch.setattr(runtime, "_cpu_count", lambda: 8)
+    monkeypatch.setattr(runtime, "cpu_count", lambda: 8)
     assert runtime.threads_per_rank(4) == 2 and runtime.threads_per_rank(16) == 1
 
 
@@ -47,20 +47,20 @@ def test_labsupport_cpus_is_the_share_of_a_shared_machine(monkeypatch):
     """On a node shared with work the process cannot see (a JupyterHub, the test suite's other
     worker), LABSUPPORT_CPUS says how many cores its ranks split; without it, the cores it may use."""
     monkeypatch.setenv("LABSUPPORT_CPUS", "1")
-    assert runtime._cpu_count() == 1 and runtime.threads_per_rank(1) == 1
+    assert runtime.cpu_count() == 1 and runtime.threads_per_rank(1) == 1
     monkeypatch.setenv("LABSUPPORT_CPUS", "6")
     assert runtime.threads_per_rank(2) == 3
     monkeypatch.delenv("LABSUPPORT_CPUS")
-    assert runtime._cpu_count() == len(os.sched_getaffinity(0))
+    assert runtime.cpu_count() == len(os.sched_getaffinity(0))
 
 
 def test_a_rank_srun_started_with_its_own_cores_uses_them(monkeypatch):
     """Frontier's launch: srun --ntasks-per-node=8 --cpus-per-task=7 gives each rank 7 cores of 56;
     under torchrun on the same node (one task of 56 cores, 8 ranks) the 56 are split."""
-    monkeypatch.setattr(runtime, "_cpu_count", lambda: 7)
+    monkeypatch.setattr(runtime, "cpu_count", lambda: 7)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "7")
     assert runtime.threads_per_rank(8, launcher="slurm") == 7
-    monkeypatch.setattr(runtime, "_cpu_count", lambda: 56)
+    monkeypatch.setattr(runtime, "cpu_count", lambda: 56)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "56")
     assert runtime.threads_per_rank(8, launcher="torchrun") == 7
 

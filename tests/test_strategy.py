@@ -8,7 +8,8 @@ from labsupport.parallel import STRATEGIES, ConfigError, Entry, ParallelConfig
 from labsupport.parallel.clip import clip_grad_norm_, count_once
 from labsupport.parallel.strategy import Strategy
 from labsupport.model import ModelConfig
-from labsupport.train import build_parser, train
+from labsupport.loop import train
+from labsupport.train import build_parser
 
 
 class AllForwardAllBackward(Strategy):

@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from labsupport import checkpoint, train
+from labsupport import checkpoint, loop, train
 from labsupport.estimate.params import count_params
 from labsupport.model import PRESETS
 from labsupport.train import build_parser, lr_at
@@ -135,8 +135,8 @@ def test_resume_on_another_layout_is_refused_before_start(tmp_path):
 
 
 def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monkeypatch, capsys):
-    """run() checks the options once and hands the ranks the result (CHECKED_ENV): a rank neither
-    parses its command line nor validates nor builds the parallel configuration again. It starts by
+    """run() checks the options once and hands the ranks the result (CHECKED_ENV): a rank (loop.main)
+    neither parses its command line nor validates nor builds the parallel configuration again. It starts by
     saying what trains, then how the global batch is made: two lines that fit an output area (issue 28)."""
     args = build_parser().parse_args([*NANO, "--steps", "2", "--sample-chars", "0", "--seq-len", "32"])
     model, config = train.validate(args, 1)
@@ -145,16 +145,38 @@ def test_a_rank_of_run_trains_what_was_checked_and_checks_nothing(tmp_path, monk
 
     def refuse(*_, **__):
         raise AssertionError("a rank of run() must not parse, validate or build the configuration again")
-    for name in ("build_parser", "validate", "parallel_config"):
-        monkeypatch.setattr(train, name, refuse)
+    for module, name in ((train, "build_parser"), (train, "validate"), (train, "parallel_config"), (loop, "validate")):
+        monkeypatch.setattr(module, name, refuse)
     monkeypatch.setenv(train.CHECKED_ENV, checked)
     monkeypatch.setenv("LABSUPPORT_RUN_DIR", str(tmp_path))
-    assert train.main(["--strategy", "nope"]) == 0  # the command line is not read
+    monkeypatch.setattr(sys, "argv", ["labsupport.loop", "--strategy", "nope"])
+    assert loop.main() == 0  # the command line is not read
     report = json.loads((tmp_path / "report-rank0.jsonl").read_text().splitlines()[-1])
     assert len(report["losses"]) == 2 and report["model"]["seq_len"] == 32 and report["parallel"] == config.to_dict()
     printed = capsys.readouterr().out.splitlines()
     assert printed[:2] == [f"training nano ({count_params(model):,} parameters): single on 1 rank, 2 steps",
                            "global batch 8 = micro-batch 8 x 1 accumulation step x 1 data-parallel rank"], printed
+
+
+NO_TORCH = """
+import contextlib, io, sys
+import labsupport.cli, labsupport.train
+helps = []
+for argv in (["--help"], ["train", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        labsupport.cli.main(argv)
+    helps.append(out.getvalue())
+assert "train" in helps[0] and "--strategy" in helps[1] and "--nproc" in helps[1], helps
+print(sorted({"torch", "matplotlib"} & set(sys.modules)))
+"""
+
+
+def test_the_launcher_side_imports_no_torch():
+    """`labsupport --help`, `labsupport train --help` and `import labsupport.cli` or `labsupport.train`
+    (a notebook's `from labsupport.train import run`) load neither torch nor matplotlib, a second or more
+    of imports: the loop that needs torch is loop.py, which only the ranks import."""
+    res = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
 
 
 def test_train_parser_defaults_match_the_contract():

@@ -15,7 +15,7 @@ from labsupport.estimate.memory import estimate_memory, largest_model_that_fits 
 from labsupport.estimate.params import count_params  # noqa: E402
 from labsupport.estimate.shapes import PRESETS, ModelConfig, corpus_vocab  # noqa: E402
 from labsupport.widgets import memory as wm  # noqa: E402
-from labsupport.widgets.figure import format_bytes  # noqa: E402
+from labsupport.units import format_bytes  # noqa: E402
 
 WIDGETS = Path(wm.__file__).parent
 

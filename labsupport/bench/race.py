@@ -25,7 +25,7 @@ def race(rt, configs: dict, model_name: str, global_batch: int, repeats: int) ->
     from ..metrics import ActivationMeter
     from ..model import TinyGPT
     from ..parallel import make_strategy
-    from ..train import MemoryPeaks, train_step
+    from ..loop import MemoryPeaks, train_step
     from . import alternate, median
 
     corpus = Corpus.load()

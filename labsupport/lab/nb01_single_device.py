@@ -182,7 +182,7 @@ def accumulate(model, micro_batches):
 # ---------------------------------------------------------------- find the bug: fp16, clip before unscale
 
 def reference_fp16_step(model, optimizer, scaler, x, y, max_norm=1.0):
-    """torch's recipe (and train.train_step's order): unscale, then clip, then step and update."""
+    """torch's recipe (and loop.train_step's order): unscale, then clip, then step and update."""
     import torch
 
     from ..model import lm_loss
@@ -298,7 +298,7 @@ register(Exercise(
             "that with max_norm, so it clipped steps that needed no clipping and shrank the others S times more "
             "than it should. Unscale first, then clip: `scaler.unscale_(optimizer)` divides the gradients by S "
             "in place and `scaler.step` does not unscale a second time. labsupport's loop (`train_step` in "
-            "labsupport/train.py) keeps the same order for every strategy: backward from the scaled loss, make "
+            "labsupport/loop.py) keeps the same order for every strategy: backward from the scaled loss, make "
             "the gradients global, unscale (the ranks agree on whether any of them overflowed), clip by the "
             "true global norm, then step and update the scale. `tests/test_fp16.py` plants this very bug in the "
             "loop and checks that the comparison with fp32 catches it."),

@@ -3,8 +3,7 @@ training loop calls. Ours are presets of one composition (compose.py); the refer
 and Accelerate's implementations, beside them."""
 from __future__ import annotations
 
-from .config import ConfigError, ParallelConfig
-from .ddp import MODES as DDP_MODES
+from .config import DDP_MODES, ConfigError, ParallelConfig
 from .registry import STRATEGIES, Entry
 
 __all__ = ["DDP_MODES", "STRATEGIES", "ConfigError", "Entry", "ParallelConfig", "make_strategy", "strategy_names"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..grid import AXES
-from .compose import step_problems
 from .registry import STRATEGIES
 
+DDP_MODES = ("naive", "flat", "bucketed")  # --ddp-mode: how DataParallel all-reduces (ddp.py)
 DEGREES = (*AXES, "ep")  # what a configuration may set above 1: the grid's axes, and ep within dp
 AXIS_WORDS = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
               "cp": "context parallelism"}  # what a name of ours may stand for (registry's Entry.names)
@@ -87,7 +87,9 @@ class ParallelConfig:
 
     def problems(self, world_size: int, model=None, global_batch: int | None = None,
                  micro_batch: int | None = None) -> list[str]:
-        """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set."""
+        """Every mistake, one line each; `model` is a ModelConfig with its vocabulary set. The steps
+        check their own options, so this imports the composition (and torch) when it runs."""
+        from .compose import Parallel, step_problems
         entry = STRATEGIES.get(self.strategy)
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]

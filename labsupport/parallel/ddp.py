@@ -48,9 +48,8 @@ from contextlib import contextmanager
 import torch
 
 from .. import comm
+from .config import DDP_MODES as MODES
 from .step import Step
-
-MODES = ("naive", "flat", "bucketed")
 
 
 def parameters_in_graph(output: torch.Tensor) -> set[int]:

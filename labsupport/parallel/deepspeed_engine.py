@@ -259,7 +259,7 @@ class LentOptimizer:
 
 
 class EngineLossScale:
-    """What the loop reads of DeepSpeed's loss scaling under fp16 (train.train_step, the metrics):
+    """What the loop reads of DeepSpeed's loss scaling under fp16 (loop.train_step, the metrics):
     the scale of this step's backward and whether the engine skipped the step. The engine unscales,
     steps and updates the scale itself, and its checkpoint holds the scale: the loop's calls do nothing."""
 

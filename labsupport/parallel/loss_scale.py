@@ -17,7 +17,7 @@ their scales, would drift apart for good. `LossScaler` combines the decision: af
 found-inf flag is all-reduced (max) over every rank, so the step is skipped everywhere or nowhere
 and the scale stays the same on all ranks. (torch's FSDP does the same in its ShardedGradScaler.)
 
-In the step (train.train_step): backward starts from S times the loss (`Strategy.scale_loss`); the
+In the step (loop.train_step): backward starts from S times the loss (`Strategy.scale_loss`); the
 gradients are made global; `unscale_` divides them by S and agrees on found-inf; only then the clip
 measures the true global norm; `step` updates unless found-inf; `update` halves or grows S.
 """

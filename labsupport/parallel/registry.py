@@ -23,14 +23,16 @@ class Entry(NamedTuple):
     experts: bool = True            # whether it runs a mixture of experts (a reference declares it)
 
 
-def composition():
+def parallel():
+    """The composition's strategy, imported when a rank builds it: the launcher and `labsupport train
+    --help` read these entries without importing torch."""
     from .compose import Parallel
     return Parallel
 
 
 def ours(names: tuple[str, ...] = (), zero: int | None = None) -> Entry:
     """A name for the composition: the degrees it stands for and the ZeRO stage it fixes (None: --zero)."""
-    return Entry(composition, None, zero, names=names)
+    return Entry(parallel, None, zero, names=names)
 
 
 def reference(load, splits: tuple[str, ...], zero: int | None = 0, default_zero: int = 0) -> Entry:
@@ -84,7 +86,7 @@ def torch_pp():
 
 
 STRATEGIES = {
-    "single": Entry(composition, ()),
+    "single": Entry(parallel, ()),
     "ddp": ours(("dp",), zero=0),
     "torch-ddp": reference(torch_ddp, ("dp",)),
     "accelerate-ddp": reference(accelerate_ddp, ("dp",)),

@@ -1,6 +1,6 @@
 """What the training loop asks of a parallel strategy, and the single-device answers.
 
-The loop in train.py is the same for every strategy (ARCHITECTURE.md, "The strategy
+The loop in loop.py is the same for every strategy (ARCHITECTURE.md, "The strategy
 interface"). A strategy
 
 1. places the model (`parallelize`) and makes the optimizer for what this rank holds;

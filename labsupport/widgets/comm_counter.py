@@ -21,13 +21,14 @@ import html
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter
 
-from .figure import NotebookFigure, bytes_axis, figure_png, format_bytes
+from .figure import NotebookFigure, bytes_axis, figure_png
 from .memory import preset_label
 from ..estimate.flops import TYPICAL_MFU
 from ..estimate.machines import MACHINES
 from ..estimate.shapes import PRESETS, preset_shape
 from ..estimate.memory import RECOMPUTE
 from ..estimate.tp_comm import PHASES, step_cost
+from ..units import format_bytes
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
 BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation element, by the run's --dtype

@@ -1,5 +1,5 @@
-"""What every widget's figure shares: the Figure class a notebook shows, its PNG, and how bytes read;
-and what the step buttons of the stepper widgets do (`Stepper`).
+"""What every widget's figure shares: the Figure class a notebook shows, its PNG, and byte-valued
+axes (in units.py's units); and what the step buttons of the stepper widgets do (`Stepper`).
 
 Figures are built with `matplotlib.figure.Figure` rather than pyplot, so redrawing a widget never
 piles up pyplot's open figures and a figure that a cell returns is shown exactly once. A
@@ -14,16 +14,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
 DPI = 100  # of every PNG a widget shows or a notebook stores
-# Decimal units, as the workshop decks, datasheets and nccl-tests count bytes.
-BYTE_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
-
-
-def format_bytes(n: float) -> str:
-    """1234567890 -> '1.23 GB'; small values in MB or kB so a CPU model does not read as 0.00 GB."""
-    for unit, scale in BYTE_UNITS:
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def bytes_axis(axis) -> None:

@@ -22,11 +22,12 @@ import html
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from .figure import BYTE_UNITS, figure_png, format_bytes
+from .figure import figure_png
 from ..estimate.flops import TYPICAL_MFU, peak_tflops, training_flops_per_token
 from ..estimate.memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, largest_model_that_fits, recipe_label
 from ..estimate.offload import DEVICE_HOST_LINK, HOST_LINK_GBPS, offload_pays
 from ..estimate.shapes import CPU_PRESETS, PRESETS, ModelConfig, preset_shape
+from ..units import BYTE_UNITS, format_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",

@@ -29,7 +29,8 @@ from matplotlib import colormaps
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
 from ..grid import AXES, GROUPS, THREE_D, axes_of, coordinates
-from .figure import NotebookFigure, bytes_axis, figure_png, format_bytes
+from ..units import format_bytes
+from .figure import NotebookFigure, bytes_axis, figure_png
 
 ORDER = THREE_D[::-1]  # fastest to slowest: Mesh's order, rank = (d * pp + p) * tp + t (grid.py); cp goes next to tp
 ORDERS = [ORDER] + [o for o in permutations(ORDER) if o != ORDER]
