@@ -179,6 +179,8 @@ def cmd_bubble(args) -> int:
     chunks = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
     if args.backward_ratio <= 0:
         raise UsageError(f"--backward-ratio must be positive (got {args.backward_ratio:g})")
+    if args.timeline and not args.json:
+        raise UsageError("--timeline adds the spans to the JSON: use it with --json")
     timeline = simulate(schedule(args.schedule, args.stages, args.microbatches, chunks),
                         backward_ratio=args.backward_ratio, chunks=chunks)
     lines = [f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches, {chunks} chunk(s) per stage, "
@@ -191,9 +193,10 @@ def cmd_bubble(args) -> int:
                  f"idle/busy {timeline.bubble_over_ideal:.4g} "
                  f"(formula (p-1)/(v*m) = {bubble_over_ideal(args.stages, args.microbatches, chunks):.4g}, "
                  f"(p-1)/(v*m+p-1) = {bubble_fraction(args.stages, args.microbatches, chunks):.1%})")
-    # Only --json prints the timeline (every compute span of every stage): build it only then.
+    # The JSON holds the table's figures; every compute span of every stage only with --timeline
     result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches,
-              "chunks": chunks, "backward_ratio": args.backward_ratio, **timeline.to_json()} if args.json else None
+              "chunks": chunks, "backward_ratio": args.backward_ratio,
+              **timeline.to_json(timeline=args.timeline)} if args.json else None
     _emit(args, "\n".join(lines), result)
     return 0
 
@@ -438,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     bu.add_argument("--chunks", type=int, default=None, help="model chunks v per stage (interleaved; default 2)")
     bu.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time (default 2)")
+    bu.add_argument("--timeline", action="store_true",
+                    help="with --json: every stage's compute spans too, [start, end, op, micro-batch, chunk]")
 
     from .estimate.planner import EFFICIENCY, MACHINE_NAMES
     pl = sub.add_parser("plan", help="rank DP x TP x PP x CP layouts of a model on a machine by predicted step time")

@@ -3,7 +3,7 @@
 A `%%torchrun` cell starts fresh processes, and nothing they computed survives the cell. The
 pool keeps N ranks running instead: ipyparallel engines on 127.0.0.1, one per rank, each set up
 exactly as `labsupport.init()` sets up a torchrun rank (identity, device and backend, threads,
-seed, process group on a free port), with `rt` in its namespace:
+seed, process group on a port rank 0 holds from the moment it is chosen), with `rt` in its namespace:
 
     %load_ext labsupport
     %ranks start --nproc 2              # from Python: from labsupport.pool import ranks; ranks.start(2)
@@ -45,6 +45,7 @@ import re
 import runpy
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ from pathlib import Path
 from . import pool_registry
 from .idle import IdleTimer
 from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankFailed, RunResult, alive,
-                     check_nproc, crashed_ranks, descendants, display_path, free_port, innermost_frame, kill_pids,
+                     check_nproc, crashed_ranks, descendants, display_path, innermost_frame, kill_pids,
                      make_run_dir)
 from .rank import die_with_parent
 
@@ -184,14 +185,20 @@ class RankPool:
         ids = sorted(self._client.ids)
         pids = self._client[ids].apply_async(os.getpid).get(START_TIMEOUT_S)
         self._engines, self._pids = dict(enumerate(ids)), dict(enumerate(pids))
-        port = self.port = free_port()
-        done = self._gather({r: (_become_rank, r, self.nproc, port, self.seed, self.timeout)
-                             for r in range(self.nproc)}, START_TIMEOUT_S)
+        # rank 0 binds the store's port and keeps it, then tells it: a port picked here and bound there
+        # later could be taken between the two, as happened under load
+        port = self.port = self._gather_values({0: (_listen,)})[0]
+        self.device_backend = self._gather_values({r: (_become_rank, r, self.nproc, port, self.seed, self.timeout)
+                                                   for r in range(self.nproc)})[0]
+
+    def _gather_values(self, jobs: dict) -> dict:
+        """`_gather` within the start's time, each rank's value, or _Lost naming the ranks that raised."""
+        done = self._gather(jobs, START_TIMEOUT_S)
         errors = {r: res["error"] for r, res in done.items() if "error" in res}
         if errors:
             _print_tracebacks(done)
             raise _Lost(RankFailed, _failure_line(errors), [])
-        self.device_backend = done[0]["value"]
+        return {r: res["value"] for r, res in done.items()}
 
     def stop(self) -> None:
         """Leave the process group cleanly (as `with init()` does at its end), then end every process."""
@@ -613,6 +620,7 @@ def _serve() -> None:
 
 
 _runtime = None  # on an engine: this rank's Runtime, entered by _become_rank, left by _leave_rank
+_listener = None  # on rank 0's engine: the store's socket, from _listen until _become_rank hands it to the store
 
 
 def _namespace() -> dict:
@@ -632,20 +640,29 @@ def _on_rank(fn, *args) -> dict:
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0], "traceback": tb}
 
 
+def _listen() -> int:
+    """On rank 0's engine: listen on a loopback port the OS picks and keep the socket for the store;
+    return the port. It is bound before anyone learns it, so no other process can take it."""
+    global _listener
+    _listener = socket.create_server(("127.0.0.1", 0))
+    return _listener.getsockname()[1]
+
+
 def _become_rank(rank: int, world_size: int, port: int, seed: int, timeout_s: float) -> str:
     """On an engine: take the identity torchrun would give rank `rank`, then enter `labsupport.init()`.
 
     faulthandler is set up as in rank.py: SIGUSR1 dumps the stack (where is a hung rank
     waiting?), and a crash in C++ leaves its stack in the same file.
     """
-    global _runtime
+    global _runtime, _listener
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     stack = open(Path(os.environ["LABSUPPORT_RUN_DIR"]) / f"stack-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
     faulthandler.enable(file=stack, all_threads=False)  # the engine's other threads are ipyparallel's
     from .runtime import init
-    _runtime = init(seed=seed, timeout_s=timeout_s).__enter__()
+    listener, _listener = _listener, None  # rank 0's, from _listen: the store takes it over
+    _runtime = init(seed=seed, timeout_s=timeout_s, listener=listener).__enter__()
     _namespace()["rt"] = _runtime
     return f"{_runtime.device} + {_runtime.backend}"
 

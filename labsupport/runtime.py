@@ -131,8 +131,11 @@ class Runtime:
     """
 
     def __init__(self, seed: int = 0, backend: str | None = None, timeout_s: float = 300,
-                 print_ranks: str = "0"):
+                 print_ranks: str = "0", listener: socket.socket | None = None):
         self.info = detect()
+        # rank 0's store socket, already listening on MASTER_PORT: whoever picked the port kept it bound
+        # (the pool binds port 0 on rank 0 before publishing it), so no other process can take it
+        self.listener = listener
         self.device, default_backend = pick_device(self.info.local_rank, self.info.local_world_size)
         self.backend = backend or default_backend
         self.seed = seed
@@ -161,7 +164,7 @@ class Runtime:
         if self.distributed and not dist.is_initialized():
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
             if is_loopback(os.environ["MASTER_ADDR"]):
-                kwargs["store"] = _stay_on_loopback(self.rank, self.world_size, self.timeout_s)
+                kwargs["store"] = _stay_on_loopback(self.rank, self.world_size, self.timeout_s, self.listener)
             # Before the group exists, see _destroy_world below: this module's functions take
             # `group=group.WORLD` as a default argument, evaluated once at import. torch imports
             # it lazily (the first optimizer imports torch._dynamo, which imports FSDP, which
@@ -209,17 +212,19 @@ def tcp_store(host: str, port: int, world_size: int | None = None, is_master: bo
 
     torch's server listens on every interface whatever `host` says, so a single-node run's store,
     which takes any key from anyone, would be open to the network (a laptop on a shared Wi-Fi, a
-    shared login node). Handing it a socket already bound to `host` keeps it on this machine.
+    shared login node). Handing it a socket already bound to `host` keeps it on this machine
+    (`master_listen_fd`: one the caller bound, else one bound here).
     """
-    if is_master and is_loopback(host):
+    if is_master and is_loopback(host) and "master_listen_fd" not in kwargs:
         kwargs["master_listen_fd"] = socket.create_server((host, port)).detach()
     return dist.TCPStore(host, port, world_size, is_master, timeout, **kwargs)
 
 
-def _stay_on_loopback(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore | None:
+def _stay_on_loopback(rank: int, world_size: int, timeout_s: float,
+                      listener: socket.socket | None = None) -> dist.TCPStore | None:
     """For a single-node group: gloo and NCCL open their sockets on the loopback interface (unless
-    the user chose one), and rank 0 serves the store on loopback, unless torchrun's agent serves it
-    (then None: torch connects to the agent's).
+    the user chose one), and rank 0 serves the store on loopback (on `listener` if given), unless
+    torchrun's agent serves it (then None: torch connects to the agent's).
     """
     names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]  # lo, or lo0 on macOS
     if names:
@@ -227,8 +232,9 @@ def _stay_on_loopback(rank: int, world_size: int, timeout_s: float) -> dist.TCPS
         os.environ.setdefault("NCCL_SOCKET_IFNAME", names[0])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
+    given = {"master_listen_fd": listener.detach()} if listener is not None and rank == 0 else {}
     return tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
-                     datetime.timedelta(seconds=timeout_s))
+                     datetime.timedelta(seconds=timeout_s), **given)
 
 
 # True in a rank of this package's own entry points (rank.py sets it): they end with os._exit

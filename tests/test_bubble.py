@@ -22,10 +22,12 @@ def bubble_json(capsys, *args):
 @pytest.mark.parametrize("schedule, chunks, over_ideal", [("gpipe", 1, 3 / 8), ("1f1b", 1, 3 / 8),
                                                           ("interleaved", 2, 3 / 16)])
 def test_json_has_the_contract_keys_and_the_papers_bubble(capsys, schedule, chunks, over_ideal):
-    result = bubble_json(capsys, "--stages", 4, "--microbatches", 8, "--schedule", schedule, "--chunks", chunks)
+    result = bubble_json(capsys, "--stages", 4, "--microbatches", 8, "--schedule", schedule, "--chunks", chunks,
+                         "--timeline")
     assert result["bubble_over_ideal"] == pytest.approx(over_ideal)
     assert result["bubble_fraction"] == pytest.approx(over_ideal / (1 + over_ideal))
-    assert len(result["timeline"]) == len(result["peak_inflight_microbatches"]) == 4
+    assert len(result["timeline"]) == len(result["peak_inflight_microbatches"]) == len(result["busy"]) == 4
+    assert result["busy"][0] + result["idle"][0] == pytest.approx(result["total_time"])
     start, end, op, microbatch, chunk = result["timeline"][0][0]
     assert (start, op, microbatch, chunk) == (0.0, "F", 0, 0)
     assert end == pytest.approx(1 / chunks)
@@ -52,13 +54,22 @@ def test_human_output_is_a_table_with_the_formula(capsys):
     assert "(p-1)/(v*m) = 0.375" in out and "idle/busy 0.375" in out
 
 
-def test_the_1t_runs_pipeline_meets_the_formula(capsys):
-    """The 1T run's pipeline (64 stages, 1600 micro-batches per replica): 200,000 spans in the JSON, the bubble
-    (p-1)/m exactly, at most p - s micro-batches in flight. tests/test_schedules.py times the same simulation."""
-    result = bubble_json(capsys, "--stages", 64, "--microbatches", 1600)
+def test_the_1t_runs_pipeline_meets_the_formula_and_its_json_holds_the_table(capsys):
+    """The 1T run's pipeline (64 stages, 1600 micro-batches per replica): the bubble (p-1)/m exactly, at
+    most p - s micro-batches in flight. Its JSON holds the table's figures, not its 200,000 spans (6 MB,
+    most of the command's time; --timeline adds them). tests/test_schedules.py counts the simulation's work."""
+    code, out, _ = bubble(capsys, "--stages", 64, "--microbatches", 1600, "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and len(out) < 5000 and "timeline" not in result
     assert result["bubble_over_ideal"] == pytest.approx(63 / 1600)
     assert result["peak_inflight_microbatches"] == list(range(64, 0, -1))
-    assert sum(map(len, result["timeline"])) == 64 * 2 * 1600
+    assert len(result["busy"]) == len(result["idle"]) == 64
+
+
+def test_timeline_asks_for_json(capsys):
+    code, out, err = bubble(capsys, "--stages", 2, "--microbatches", 4, "--timeline")
+    assert code == 2 and out == "" and err.strip() == ("labsupport bubble: error: --timeline adds the spans "
+                                                       "to the JSON: use it with --json")
 
 
 @pytest.mark.parametrize("args, message", [

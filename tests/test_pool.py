@@ -217,10 +217,11 @@ def test_restart_gives_fresh_ranks(pool):
 
 
 def test_every_socket_of_the_pool_listens_on_loopback_only(pool):
-    """torch's store (rank 0), gloo's sockets and ipyparallel's: none reachable from another machine."""
+    """torch's store (rank 0), gloo's sockets and ipyparallel's: none reachable from another machine.
+    The store listens on the port rank 0 bound first and published (test_runtime checks the handover)."""
     store_port = int(pool.run("import os\nos.environ['MASTER_PORT']", ranks=0)[0])
     sockets = listening_addresses(processes_of(pool.run_dir))
-    assert store_port in {port for _, port in sockets}, sockets
+    assert store_port == pool.port and store_port in {port for _, port in sockets}, sockets
     assert [(str(a), port) for a, port in sockets if not on_loopback(a)] == []
 
 

@@ -1,6 +1,7 @@
 """runtime: identity from every launcher's variables, device choice, threads; and the house rules."""
 import ast
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,20 @@ def test_single_process_needs_no_process_group():
         a = torch.rand(3)
     with runtime.init(seed=7):
         assert torch.equal(a, torch.rand(3))  # seeded
+
+
+def test_rank_0s_store_serves_on_the_socket_that_chose_its_port():
+    """The pool's rank 0 binds port 0 and publishes the port it got (pool.py); its store takes that socket
+    over (`master_listen_fd`), so between choosing the port and serving on it nothing else can take it
+    (a port chosen by free_port() and bound later was lost under load)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with pytest.raises(OSError):  # held from the moment it was chosen
+        socket.create_server(("127.0.0.1", port)).close()
+    store = runtime.tcp_store("127.0.0.1", port, 2, True, master_listen_fd=listener.detach(), wait_for_workers=False)
+    store.set("published", "yes")
+    assert store.port == port
+    assert torch.distributed.TCPStore("127.0.0.1", port, 2, False).get("published") == b"yes"
 
 
 def test_world_size_without_rendezvous_is_a_clear_error(monkeypatch):

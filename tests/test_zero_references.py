@@ -13,7 +13,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 # Each reference's run on 2 ranks, which the memory and the resume tests below read too
-TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerate-fsdp": []}
+TWO_RANKS = {"torch-zero1": [], "torch-fsdp": ["--micro-batch", "2"], "accelerate-fsdp": [],
+             "accelerate-deepspeed": ["--zero", "1", "--micro-batch", "2"]}
 
 
 # Each reference on 2 and on 4 ranks, once with and once without gradient accumulation
@@ -27,7 +28,7 @@ RUNS = [
     ("accelerate-fsdp", 4, ["--micro-batch", "1"]),  # FSDP's no_sync
     ("accelerate-fsdp", 2, ["--zero", "2"]),         # SHARD_GRAD_OP
     ("accelerate-fsdp", 2, ["--zero", "0"]),         # NO_SHARD (the run the memory test reads too)
-    ("accelerate-deepspeed", 2, ["--zero", "1", "--micro-batch", "2"]),  # accumulated in DeepSpeed; ZeRO-3: test_accelerate_launch
+    ("accelerate-deepspeed", 2, TWO_RANKS["accelerate-deepspeed"]),  # accumulated in DeepSpeed; ZeRO-3: test_accelerate_launch
 ]
 
 
@@ -66,10 +67,11 @@ def test_each_reference_divides_what_it_shards(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["torch-zero1", "torch-fsdp", "accelerate-fsdp"])
+@pytest.mark.parametrize("strategy", ["torch-zero1", "torch-fsdp", "accelerate-fsdp", "accelerate-deepspeed"])
 def test_reference_checkpoint_resumes_bit_identically(runs, tmp_path, strategy):
-    """Each rank saves its shard of the optimizer state (torch-fsdp: of the parameters too); resumed
-    from step 10, a run reports the same 20 losses and norms as the run that never stopped."""
+    """Each rank saves its shard of the optimizer state (torch-fsdp: of the parameters too; accelerate-deepspeed:
+    DeepSpeed's engine saves its partition, as the deepspeed strategy's); resumed from step 10, a run reports
+    the same 20 losses and norms as the run that never stopped."""
     full = train(strategy, 2, *TWO_RANKS[strategy])
     resumed = resume(full, 10, tmp_path)
     assert resumed["resumed_from"] == 10

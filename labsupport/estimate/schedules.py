@@ -95,7 +95,13 @@ class SharedActions(dict):
     Every stage runs the same actions (stage s's RECV_F of micro-batch 3 equals stage t's), so the
     stages' lists can hold references to one object each instead of p copies: for 64 stages and
     6400 micro-batches, 38,400 actions instead of 2.5 million, which is most of a schedule's memory.
+    `runs` keeps, per kind of compute (the ops it runs, RECV, compute, SEND, and its chunk), the
+    actions of each micro-batch, for the stages that compute that kind alike (a pipeline's middle ones).
     """
+
+    def __init__(self):
+        super().__init__()
+        self.runs: dict[tuple, dict[int, tuple[Action, ...]]] = {}
 
     def __missing__(self, key: tuple[str, int, int]) -> Action:
         action = self[key] = Action(*key)
@@ -117,20 +123,25 @@ def peer(stage: int, action: Action, stages: int, chunks: int) -> tuple[int, Act
 
 # ---------------------------------------------------------------- compute orders (F and B only)
 
-def _gpipe(stage: int, stages: int, m: int, chunks: int) -> list[Action]:
-    return [Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)]
+# Each is a list of (op, microbatch, chunk) triples, which `with_communication` turns into the
+# shared Actions: plain tuples are made several times faster than named ones.
+Triple = tuple[str, int, int]
 
 
-def _one_f_one_b(stage: int, stages: int, m: int, chunks: int) -> list[Action]:
+def _gpipe(stage: int, stages: int, m: int, chunks: int) -> list[Triple]:
+    return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
+
+
+def _one_f_one_b(stage: int, stages: int, m: int, chunks: int) -> list[Triple]:
     warmup = min(stages - stage - 1, m)
-    order = [Action("F", j) for j in range(warmup)]
+    order = [("F", j, 0) for j in range(warmup)]
     for j in range(m - warmup):                 # steady state: forward j + warmup, backward j
-        order += [Action("F", j + warmup), Action("B", j)]
-    order += [Action("B", j) for j in range(m - warmup, m)]
+        order += (("F", j + warmup, 0), ("B", j, 0))
+    order += [("B", j, 0) for j in range(m - warmup, m)]
     return order
 
 
-def _interleaved(stage: int, stages: int, m: int, chunks: int) -> list[Action]:
+def _interleaved(stage: int, stages: int, m: int, chunks: int) -> list[Triple]:
     """Megatron's order: chunk-micro-batch k is micro-batch (k // pv) p + k % p of chunk (k // p) % v.
 
     Forwards go through chunks 0..v-1, backwards through v-1..0, p micro-batches at a time. The
@@ -143,42 +154,44 @@ def _interleaved(stage: int, stages: int, m: int, chunks: int) -> list[Action]:
     def microbatch(k: int) -> int:
         return (k // (p * v)) * p + k % p
 
-    def forward(k: int) -> Action:
-        return Action("F", microbatch(k), (k // p) % v)
+    def forward(k: int) -> Triple:
+        return "F", microbatch(k), (k // p) % v
 
-    def backward(k: int) -> Action:
-        return Action("B", microbatch(k), v - 1 - (k // p) % v)
+    def backward(k: int) -> Triple:
+        return "B", microbatch(k), v - 1 - (k // p) % v
 
     warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
     order = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
-        order += [forward(k + warmup), backward(k)]
+        order += (forward(k + warmup), backward(k))
     order += [backward(k) for k in range(total - warmup, total)]
     return order
 
 
-def with_communication(order: list[Action], stage: int, stages: int, chunks: int,
+def with_communication(order: list[Triple], stage: int, stages: int, chunks: int,
                        shared: SharedActions | None = None) -> list[Action]:
-    """One stage's compute order (F and B only) with its communication: each RECV right before the
-    compute that needs it, each SEND right after the compute.
+    """One stage's compute order (F and B only, as (op, microbatch, chunk)) with its communication:
+    each RECV right before the compute that needs it, each SEND right after the compute.
 
     With non-blocking sends this cannot deadlock as long as the compute orders are consistent
     (every stage runs micro-batches through a chunk in the same order), which all schedules are.
-    `shared` (one for all stages of a schedule) lets the stages' lists share their Action objects.
+    `shared` (one for all stages of a schedule) lets the stages' lists share their Action objects,
+    and the stages that compute alike share the work of finding them (`SharedActions.runs`).
     """
     shared = SharedActions() if shared is None else shared
     first, last = 0, stages * chunks - 1
-    around = {}             # (op, chunk) -> (the RECV before it, the SEND after it), None where there is none
+    kinds = {}              # (op, chunk) -> (the ops it runs: RECV, compute, SEND as they apply here, their runs)
     actions = []
     for op, microbatch, chunk in order:
-        if (op, chunk) not in around:           # the same for every micro-batch: work it out once
+        kind = kinds.get((op, chunk))
+        if kind is None:                        # the same for every micro-batch: work it out once
             k = model_chunk(stage, chunk, stages)
-            around[op, chunk] = ("RECV_" + op if k != (first if op == "F" else last) else None,
-                                 "SEND_" + op if k != (last if op == "F" else first) else None)
-        recv, send = around[op, chunk]
-        if recv:
-            actions.append(shared[recv, microbatch, chunk])
-        actions.append(shared[op, microbatch, chunk])
-        if send:
-            actions.append(shared[send, microbatch, chunk])
+            ops = tuple(o for o in ("RECV_" + op if k != (first if op == "F" else last) else None, op,
+                                    "SEND_" + op if k != (last if op == "F" else first) else None) if o)
+            kind = kinds[op, chunk] = ops, shared.runs.setdefault((ops, chunk), {})
+        ops, runs = kind
+        run = runs.get(microbatch)
+        if run is None:
+            run = runs[microbatch] = tuple(shared[o, microbatch, chunk] for o in ops)
+        actions += run
     return actions

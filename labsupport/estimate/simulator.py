@@ -39,8 +39,9 @@ class Timeline:
 
     @cached_property
     def total_time(self) -> float:
-        """The makespan: from the first forward to the last backward on any stage."""
-        return max((s[1] for stage in self.spans for s in stage), default=0.0)
+        """The makespan: from the first forward to the last backward on any stage (a stage's spans
+        are in time order: its last ends last)."""
+        return max((stage[-1][1] for stage in self.spans if stage), default=0.0)
 
     @cached_property
     def busy(self) -> list[float]:
@@ -63,11 +64,14 @@ class Timeline:
         busy = sum(self.busy)
         return sum(self.idle) / busy if busy else 0.0
 
-    def to_json(self) -> dict:
-        """The figures and every span, ready for `json.dumps` (which writes a span tuple as an array)."""
-        return dict(bubble_fraction=self.bubble_fraction, bubble_over_ideal=self.bubble_over_ideal,
-                    peak_inflight_microbatches=self.peak_inflight_microbatches,
-                    total_time=self.total_time, timeline=[list(stage) for stage in self.spans])
+    def to_json(self, timeline: bool = False) -> dict:
+        """The figures, per stage and overall, ready for `json.dumps`; with `timeline`, every span too
+        (as an array: 200,000 of them for 64 stages x 1600 micro-batches, most of the time and the
+        6 MB of such a JSON, so only on request)."""
+        figures = dict(bubble_fraction=self.bubble_fraction, bubble_over_ideal=self.bubble_over_ideal,
+                       peak_inflight_microbatches=self.peak_inflight_microbatches, total_time=self.total_time,
+                       busy=self.busy, idle=self.idle)
+        return {**figures, "timeline": [list(stage) for stage in self.spans]} if timeline else figures
 
 
 def simulate(actions_per_stage: list[list[Action]], forward_time: float = 1.0, backward_ratio: float = 2.0,
@@ -102,12 +106,14 @@ def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) 
     A stage that must wait is not looked at again until the stage it waits for has moved, so the
     work grows with the actions, not with rounds x stages: each action runs once, and each move
     wakes at most the few stages waiting for it (a stage's two neighbours, in every schedule here).
+    What an action needs of its peer is looked up once per (op, chunk) and stage (`_Routes`), not
+    per micro-batch: the 1T run's pipeline has 600,000 actions.
     """
     pc = [0] * stages
     clock = [0.0] * stages
     spans: list[list[Span]] = [[] for _ in range(stages)]
     channels: dict[tuple[int, int], deque] = defaultdict(deque)
-    peers = _Peers(stages, chunks)
+    routes = [_Routes(stage, stages, chunks, channels) for stage in range(stages)]
     waiting = [[] for _ in range(stages)]       # waiting[x]: the stages stuck until stage x moves
     this_round = list(range(stages))            # the stages still to look at in this round, lowest first (a heap)
     next_round: list[int] = []
@@ -125,43 +131,46 @@ def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) 
     def advance(stage: int) -> int | None:
         """Run the stage's actions until one must wait; return the stage it waits for (None: done)."""
         actions, i, now = actions_per_stage[stage], pc[stage], clock[stage]
+        route, record = routes[stage], spans[stage].append
         n = len(actions)
         while i < n:
             action = actions[i]
             op, microbatch, chunk = action
-            if op in duration:                                       # F or B
-                end = now + duration[op]
-                spans[stage].append((now, end, op, microbatch, chunk))
+            took = duration.get(op)
+            if took is not None:                                     # F or B
+                end = now + took
+                record((now, end, op, microbatch, chunk))
                 now = end
-            elif op in ("SEND_F", "SEND_B"):
-                dst, matching, its_chunk = peers[stage, op, chunk]
+                i += 1
+                continue
+            other, matching, its_chunk, queue = route[op, chunk]
+            if op in SENDS:
                 expected = (matching, microbatch, its_chunk)    # the RECV it must meet (a tuple equals an Action)
                 if not blocking_sends:
-                    channels[stage, dst].append((expected, now + p2p_time))
+                    queue.append((expected, now + p2p_time))
                 else:                                           # rendezvous with the receiver's RECV
-                    there = current(dst)
-                    if (dst == stage or there is None or not there.op.startswith("RECV")
-                            or peers[dst, there.op, there.chunk][0] != stage):
+                    there = current(other)
+                    if (other == stage or there is None or not there.op.startswith("RECV")
+                            or routes[other][there.op, there.chunk][0] != stage):
                         break
                     if there != expected:
-                        raise _out_of_order(dst, there, expected, stage)
-                    now = clock[dst] = max(now, clock[dst]) + p2p_time
-                    pc[dst] += 1
-                    moved(dst)
+                        raise _out_of_order(other, there, expected, stage)
+                    now = clock[other] = max(now, clock[other]) + p2p_time
+                    pc[other] += 1
+                    moved(other)
             else:                                               # a RECV: its message must be there
-                src = peers[stage, op, chunk][0]
-                queue = channels[src, stage]
                 if not queue:
                     break
                 expected, arrival = queue.popleft()
                 if action != expected:
-                    raise _out_of_order(stage, action, expected, src)
-                now = max(now, arrival)
+                    raise _out_of_order(stage, action, expected, other)
+                if arrival > now:
+                    now = arrival
             i += 1
         if i > pc[stage]:
             pc[stage], clock[stage] = i, now
             moved(stage)
-        return peers[stage, actions[i].op, actions[i].chunk][0] if i < n else None
+        return route[actions[i].op, actions[i].chunk][0] if i < n else None
 
     while this_round:
         running = heapq.heappop(this_round)
@@ -188,18 +197,23 @@ def _run(actions_per_stage, stages, chunks, duration, p2p_time, blocking_sends) 
     return spans
 
 
-class _Peers(dict):
-    """`peer` without the micro-batch, worked out on first use and kept (it is the same for every
-    micro-batch): `peers[stage, op, chunk]` is (the other stage, the matching op there, its chunk)."""
+SENDS = ("SEND_F", "SEND_B")
 
-    def __init__(self, stages: int, chunks: int):
+
+class _Routes(dict):
+    """One stage's `peer`s without the micro-batch, worked out on first use and kept (they are the same
+    for every micro-batch): `routes[op, chunk]` is (the other stage, the matching op there, its chunk,
+    the queue of the channel between them, this stage's to send on or the other's to receive from)."""
+
+    def __init__(self, stage: int, stages: int, chunks: int, channels: dict[tuple[int, int], deque]):
         super().__init__()
-        self.stages, self.chunks = stages, chunks
+        self.stage, self.stages, self.chunks, self.channels = stage, stages, chunks, channels
 
-    def __missing__(self, key: tuple[int, str, int]) -> tuple[int, str, int]:
-        stage, op, chunk = key
-        other, matching = peer(stage, Action(op, 0, chunk), self.stages, self.chunks)
-        self[key] = other, matching.op, matching.chunk
+    def __missing__(self, key: tuple[str, int]) -> tuple[int, str, int, deque]:
+        op, chunk = key
+        other, matching = peer(self.stage, Action(op, 0, chunk), self.stages, self.chunks)
+        queue = self.channels[(self.stage, other) if op in SENDS else (other, self.stage)]
+        self[key] = other, matching.op, matching.chunk, queue
         return self[key]
 
 

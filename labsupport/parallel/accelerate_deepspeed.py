@@ -24,25 +24,26 @@ the plugin ourselves; from `prepare` on, the path is Accelerate's own. (Accelera
 making a plugin active, `select()`, also registers it with transformers for its ZeRO-3 loading and
 fails where transformers is not installed, as here; we load no transformers model.) The loop keeps the bare
 model (ZeRO-3 gathers each module's parameters in hooks on the module itself); the engine DeepSpeed
-returns runs backward and the step. A checkpoint holds the whole model (ZeRO-3 gathers it) and
-this rank's ZeRO optimizer state; resuming from one is not done yet.
+returns runs backward and the step. A checkpoint is the engine's own, as the deepspeed strategy's
+(`EngineCheckpoint`: each rank's partition, loaded on resume), beside the loop's file with the whole
+model (ZeRO-3 gathers it).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
-# DeepSpeed set up as our deepspeed strategy sets it up: no C++ op probed or built (on CPU its torch
-# backend would compile a shared-memory all-reduce at every start, ~45 s of CPU), torch's deprecation
-# of the collectives DeepSpeed's ZeRO calls silenced
-from .deepspeed_engine import deepspeed
+# DeepSpeed set up as our deepspeed strategy sets it up (importing that module does it): no C++ op probed or
+# built (on CPU its torch backend would compile a shared-memory all-reduce at every start, ~45 s of CPU),
+# torch's deprecation of the collectives DeepSpeed's ZeRO calls silenced; and its checkpoint
+from .deepspeed_engine import EngineCheckpoint
 from .optim import adamw
 from .strategy import Strategy
 
 
-class AccelerateDeepSpeed(Strategy):
+class AccelerateDeepSpeed(EngineCheckpoint, Strategy):
     name = "accelerate-deepspeed"
 
     @classmethod
@@ -87,21 +88,3 @@ class AccelerateDeepSpeed(Strategy):
     def clip_grad_norm_(self, model, max_norm):
         """DeepSpeed clipped in its step already: the global norm it measured before clipping."""
         return float(self.engine.get_global_grad_norm())
-
-    def model_state(self, model) -> dict:
-        """The whole model: ZeRO-3 gathers its shards for the copy (the other stages hold them whole)."""
-        whole = self.config.zero == 3
-        with deepspeed.zero.GatheredParameters(list(model.parameters())) if whole else nullcontext():
-            return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-    def load_model_state(self, model, state: dict) -> None:
-        raise NotImplementedError("accelerate-deepspeed does not resume yet: its checkpoints hold the whole model "
-                                  "(loadable into `single`) and each rank's ZeRO state")
-
-    def optimizer_state(self, optimizer) -> dict:
-        """This rank's ZeRO state less DeepSpeed's own objects (checkpoints load weights-only): the stage
-        as an int, no loss scaler (fp32's is the constant 1), no map of parameter fragments (rebuilt from
-        the model when the optimizer is made)."""
-        state = {key: value for key, value in optimizer.state_dict().items()
-                 if key not in ("loss_scaler", "param_slice_mappings")}
-        return {**state, "zero_stage": int(state["zero_stage"])}

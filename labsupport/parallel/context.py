@@ -24,6 +24,14 @@ of dK and dV of each block, which collect every rank's contribution on their way
 block's owner. Scores are recomputed from the saved log-sum-exp (as FlashAttention's backward
 does), so a rank keeps q, k, v, the output and the log-sum-exp of its own positions only.
 
+In low precision (`--dtype bf16` or `fp16`: q, k, v come out of autocast's matmuls in that dtype) a
+block computes in that dtype, as a single device's attention computes the whole sequence, but the
+merge does not: the output and the log-sum-exp accumulate in fp32 (the kernels return the log-sum-exp
+in fp32), so the ring rounds each block's output once and the sum once, and the backward's dq, dk, dv
+sums are fp32 too. An fp16 or bf16 merge would round exp(l1 - l) and the running sum at every step and
+compound it over cp steps; so ring attention runs under both dtypes, held to single within their
+tolerance (tests/test_train_cp_ep.py).
+
 Each block (a chunk of queries against a chunk of keys) is computed by a kernel that returns the
 block's output and log-sum-exp: torch's fused CPU FlashAttention kernel ("flash", the default on
 CPU), or the same formulas in plain tensor operations ("math": any device, easy to read, but it

@@ -30,9 +30,9 @@ fp32 logits, as autocast computes them: in fp16, S times the loss overflows at o
 
 DeepSpeed's collectives go through `deepspeed.comm` to torch.distributed, not through
 labsupport.comm: its torch backend's methods are wrapped to count each call with labsupport.comm
-first (`count_deepspeed_calls`), so a run reports its traffic as ours do. A checkpoint is DeepSpeed's own (`save_checkpoint` into the step's directory,
-`load_checkpoint` on resume: every rank its partition of the optimizer states and the fp32
-weights); the loop's file beside it holds the whole model, so it loads into `single`.
+first (`count_deepspeed_calls`), so a run reports its traffic as ours do. A checkpoint is DeepSpeed's
+own (`EngineCheckpoint`, which accelerate-deepspeed shares); the loop's file beside it holds the whole
+model, so it loads into `single`.
 `import deepspeed` takes over a second, so only this module imports it, when the strategy runs.
 """
 from __future__ import annotations
@@ -108,7 +108,35 @@ def count_deepspeed_calls(world) -> None:
         setattr(backend, method, counted)
 
 
-class DeepSpeedZeRO(Strategy):
+class EngineCheckpoint:
+    """The checkpoint of a strategy that trains through DeepSpeed's engine (`self.engine`: this module's
+    and accelerate-deepspeed's): DeepSpeed's own, `save_checkpoint` into the step's directory and
+    `load_checkpoint` on resume (every rank its partition of the optimizer states and the fp32 weights).
+    The loop's file beside it holds the whole model, for `single` to load; a resume reads DeepSpeed's."""
+
+    def model_state(self, model) -> dict:
+        """The whole model (ZeRO-3 gathers each partitioned parameter for the copy)."""
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.config.zero == 3):
+            return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+    def load_model_state(self, model, state) -> None:
+        """Nothing: DeepSpeed's own checkpoint (`load_state`) holds the weights it trains."""
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}
+
+    def load_optimizer_state(self, optimizer, state) -> None:
+        """Nothing: in DeepSpeed's own checkpoint."""
+
+    def save_state(self, directory) -> None:
+        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+
+    def load_state(self, directory) -> None:
+        self.engine.load_checkpoint(str(directory), tag=TAG)
+
+
+class DeepSpeedZeRO(EngineCheckpoint, Strategy):
     name = "deepspeed"
     fp16 = True  # DeepSpeed's own loss scaling (make_loss_scaler)
 
@@ -202,27 +230,6 @@ class DeepSpeedZeRO(Strategy):
     @torch.no_grad()
     def logits(self, model, idx):
         return self.engine(idx)
-
-    def model_state(self, model) -> dict:
-        """The whole model (ZeRO-3 gathers each partitioned parameter for the copy)."""
-        params = list(model.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.config.zero == 3):
-            return {name: t.detach().clone() for name, t in model.state_dict().items()}
-
-    def load_model_state(self, model, state) -> None:
-        """Nothing: DeepSpeed's own checkpoint (`load_state`) holds the weights it trains."""
-
-    def optimizer_state(self, optimizer) -> dict:
-        return {}
-
-    def load_optimizer_state(self, optimizer, state) -> None:
-        """Nothing: in DeepSpeed's own checkpoint."""
-
-    def save_state(self, directory) -> None:
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
-
-    def load_state(self, directory) -> None:
-        self.engine.load_checkpoint(str(directory), tag=TAG)
 
     def close(self, model) -> None:
         """Let go of the engine and of the process groups DeepSpeed keeps in its modules (the runtime's
