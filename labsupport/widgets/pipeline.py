@@ -13,7 +13,7 @@ this module only chooses the inputs and draws the outputs:
                                             a measured run beside it while the controls match that run
 
 A measured run is, per stage, a list of (start_s, end_s, op, microbatch, chunk) tuples: what the
-executor in `labsupport.parallel.pipeline` records, and what `Timeline.spans` holds.
+executor in `labsupport.parallel.pipeline_schedule` records, and what `Timeline.spans` holds.
 """
 from __future__ import annotations
 
