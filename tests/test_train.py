@@ -119,7 +119,8 @@ def test_several_mistakes_get_a_line_each():
     res = cli("train", "--strategy", "ddp", "--nproc", "2", "--pp", "2", "--bucket-mb", "0")
     lines = res.stderr.splitlines()
     assert res.returncode == 2 and len(lines) == 2, res.stderr
-    assert "--pp must be 1" in lines[0] and "--bucket-mb must be > 0" in lines[1]
+    assert "strategy 'ddp' is data parallelism, but this grid has --dp 1" in lines[0]
+    assert "--bucket-mb must be > 0" in lines[1]
 
 
 @pytest.mark.multiprocess
