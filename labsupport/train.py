@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp/torch-ddp: gradient bucket size in MiB")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="ddp/torch-ddp: allow parameters that get a gradient on some ranks only")
+    p.add_argument("--dp-replicate", type=int, default=1, metavar="R",
+                   help="zero3: R replicas of dp/R ranks each, ZeRO-3 inside each, gradients averaged across (HSDP)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="zero3: gather each unit only when it is needed (no overlap with the one before)")
     p.add_argument("--accelerate-config", default=None, metavar="FILE",
@@ -92,7 +94,8 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
         world_size, strategy=args.strategy, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
         sequence_parallel=args.sequence_parallel, ddp_mode=args.ddp_mode, bucket_mb=args.bucket_mb,
-        find_unused_parameters=args.find_unused_parameters, prefetch=not args.no_prefetch)
+        find_unused_parameters=args.find_unused_parameters, prefetch=not args.no_prefetch,
+        dp_replicate=args.dp_replicate)
 
 
 def layout(config: ParallelConfig, world_size: int) -> dict:

@@ -184,7 +184,7 @@ RUNS = [
 def runs():
     """This file's runs, trained ahead in one launch per world size (harness.prefetch)."""
     prefetch(("single", 1, ()), ("single", 1, ("--dtype", "bf16")), ("ddp", 2, ()), ("zero3", 2, ("--dtype", "bf16")),
-             *RUNS)
+             *RUNS, ("hsdp", 4, HSDP))
 
 
 @pytest.mark.slow
@@ -194,6 +194,30 @@ def test_zero_matches_single_step_by_step(runs, strategy, nproc, extra):
     assert out["world_size"] == nproc and out["parallel"]["zero"] == int(strategy[-1])
     # ZeRO-3: rank 0's file holds its shard: of each parameter, the first elements or none
     assert_same_as_single(out, single(), params="flat" if strategy == "zero3" else "whole")
+
+
+HSDP = ("--dp-replicate", "2", "--micro-batch", "1")  # 2 replicas of 2 ranks, in the 4-rank launch of zero3's
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_equals_single_and_talks_within_its_replica_and_across(runs):
+    """HSDP (hsdp.py, ARCHITECTURE.md's worked example of a new step): ZeRO-3 inside each replica of
+    2 ranks, its gradient shards averaged across the 2 replicas. Single's losses and norms; the model
+    states divided by 2, not 4 (zero3 on the same 4 ranks); the gathers and reduce-scatters in the
+    shard group, one all-reduce of the shards (ZeRO-3's over 2 ranks: half the parameters) across."""
+    out, zero3 = train("hsdp", 4, *HSDP), train("zero3", 4, "--micro-batch", "1")
+    assert out["parallel"]["zero"] == 3 and out["parallel"]["dp_replicate"] == 2
+    assert_same_as_single(out, single(), params="flat")
+    assert_traffic_in(out, {"dp_shard", "dp_replicate"}, exact=True)
+    for rank in range(4):
+        assert out["memory"][rank]["params"] == pytest.approx(2 * zero3["memory"][rank]["params"], rel=0.01)
+        ops = out["comm_groups"][rank]
+        # the shard group: ZeRO-3's gathers and reduce-scatters, and the norm's sum of squares (a replica's
+        # shards counted once: not summed across replicas)
+        assert set(ops["dp_shard"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert ops["dp_shard"]["all_reduce"]["calls"] == 1 and set(ops["dp_replicate"]) == {"all_reduce"}
+        assert ops["dp_replicate"]["all_reduce"]["calls"] == 1
+        assert ops["dp_replicate"]["all_reduce"]["payload_bytes"] == out["memory"][rank]["grads"]
 
 
 @pytest.mark.slow
@@ -234,6 +258,13 @@ def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says(ru
     (["--strategy", "zero2", "--nproc", "4", "--tp", "2"], "ZeRO-2 frees the full gradients the tensor- and "
                                                             "pipeline-parallel steps still reduce"),
     (["--strategy", "zero1", "--nproc", "2", "--ddp-mode", "flat"], "so --ddp-mode must be bucketed (got flat)"),
+    (["--strategy", "hsdp", "--nproc", "4"], "strategy 'hsdp' is hybrid sharding (ZeRO-3 in replicas), but this grid "
+                                             "has --dp-replicate 1"),
+    (["--strategy", "ddp", "--nproc", "4", "--dp-replicate", "2"], "--dp-replicate 2 replicates ZeRO-3's shard groups: "
+                                                                   "give --zero 3"),
+    (["--strategy", "hsdp", "--nproc", "4", "--dp-replicate", "4"], "--dp-replicate 4 must divide --dp 4 into replicas "
+                                                                    "of 2 or more ranks"),
+    (["--strategy", "torch-fsdp", "--nproc", "4", "--dp-replicate", "2"], "--dp-replicate must be 1 (got 2)"),
 ])
 def test_bad_zero_arguments_fail_before_start(args, message):
     res = cli("train", *args)

@@ -42,6 +42,7 @@ from .context import ContextParallelStep
 from .ddp import DataParallelStep
 from .experts import ExpertParallelStep
 from .fsdp import FullyShardStep
+from .hsdp import HybridShardStep
 from .optim import adamw
 from .pipeline import PipelineSplit
 from .step import PlainLoop, Step
@@ -50,7 +51,7 @@ from .tensor import TensorParallelStep
 from .zero import ZeROStep
 
 STEPS = (PipelineSplit, TensorParallelStep, ContextParallelStep, ExpertParallelStep,  # in the order they apply
-         DataParallelStep, ZeROStep, FullyShardStep)
+         DataParallelStep, ZeROStep, FullyShardStep, HybridShardStep)
 
 
 def steps_for(config, steps=STEPS) -> list[type]:

@@ -22,9 +22,15 @@ from ..grid import AXES
 from .registry import STRATEGIES
 
 DDP_MODES = ("naive", "flat", "bucketed")  # --ddp-mode: how DataParallel all-reduces (ddp.py)
-DEGREES = (*AXES, "ep")  # what a configuration may set above 1: the grid's axes, and ep within dp
+# What a configuration may set above 1: the grid's axes, and two cuts of dp (experts; HSDP's replicas).
+DEGREES = (*AXES, "ep", "dp_replicate")
 AXIS_WORDS = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
-              "cp": "context parallelism"}  # what a name of ours may stand for (registry's Entry.names)
+              "cp": "context parallelism", "dp_replicate": "hybrid sharding (ZeRO-3 in replicas)"}  # (Entry.names)
+
+
+def flag(degree: str) -> str:
+    """The command-line flag of a degree: --dp, --dp-replicate."""
+    return "--" + degree.replace("_", "-")
 
 
 class ConfigError(ValueError):
@@ -54,6 +60,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     find_unused_parameters: bool = False
     prefetch: bool = True            # zero3: all-gather the next unit while this one computes
+    dp_replicate: int = 1            # zero3: replicas of dp / dp_replicate ranks each, sharding inside (HSDP)
 
     def __post_init__(self):
         """`zeroK` *is* ZeRO stage K: a config naming it without --zero records stage K (in the
@@ -79,7 +86,7 @@ class ParallelConfig:
     def layout(self) -> dict:
         """What a checkpoint must match to be resumed: the strategy and the grid (and the model chunks
         per pipeline stage, which decide the layers each stage's file holds, where there are several)."""
-        extra = {name: getattr(self, name) for name in ("chunks", "cp", "ep") if getattr(self, name) > 1}
+        extra = {name: getattr(self, name) for name in ("chunks", "cp", "ep", "dp_replicate") if getattr(self, name) > 1}
         return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero, **extra}
 
     def to_dict(self) -> dict:
@@ -94,7 +101,8 @@ class ParallelConfig:
         if entry is None:
             return [f"unknown strategy {self.strategy!r}; available: {', '.join(STRATEGIES)}"]
         if min(getattr(self, axis) for axis in DEGREES) < 1:
-            return [f"--dp, --tp, --pp, --cp and --ep must be >= 1, got {self._grid()} (--ep {self.ep})"]
+            return [f"--dp, --tp, --pp, --cp, --ep and --dp-replicate must be >= 1, got {self._grid()} (--ep {self.ep}, "
+                    f"--dp-replicate {self.dp_replicate})"]
         out = self._degree_problems(entry, world_size)
         zero = self._zero_problems(entry)
         out += zero
@@ -128,15 +136,16 @@ class ParallelConfig:
             for axis in DEGREES:
                 if axis not in entry.splits and getattr(self, axis) > 1:
                     uses = " and ".join(entry.splits)
-                    out.append(f"strategy {self.strategy!r} splits over {uses} only, so --{axis} must be 1 "
+                    out.append(f"strategy {self.strategy!r} splits over {uses} only, so {flag(axis)} must be 1 "
                                f"(got {getattr(self, axis)})")
         for axis in entry.names:
             if not out and getattr(self, axis) == 1:
+                line = (f"strategy {self.strategy!r} is {AXIS_WORDS[axis]}, but this grid has {flag(axis)} 1 "
+                        f"({self._grid()} on {world_size} rank{'s' * (world_size != 1)})")
                 runs = [a for a in DEGREES if getattr(self, a) > 1]
-                name = {"dp": "ddp"}.get(runs[0], runs[0]) if len(runs) == 1 else "3d"
-                out.append(f"strategy {self.strategy!r} is {AXIS_WORDS[axis]}, but this grid has --{axis} 1 "
-                           f"({self._grid()} on {world_size} rank{'s' * (world_size != 1)})" + (f"; name what runs: --strategy {name}"
-                                                                        if runs else ""))
+                if runs and self.zero == 0:  # a name of ours for what does run
+                    line += f"; name what runs: --strategy {({'dp': 'ddp'}.get(runs[0], runs[0]) if len(runs) == 1 else '3d')}"
+                out.append(line)
         return out
 
     def _zero_problems(self, entry) -> list[str]:

@@ -536,16 +536,25 @@ class FullyShardStep(DataParallelStep):
     zero_stages = (3,)
 
     @classmethod
+    def applies(cls, config):
+        return super().applies(config) and config.dp_replicate == 1  # (replicas of shard groups: hsdp.py)
+
+    @classmethod
     def problems(cls, config, model=None, microbatches=None):
         if config.zero == 3 and (config.tp > 1 or config.pp > 1):
             return ["ZeRO-3 shards whole units over the DP group; it does not compose with --tp or --pp here: "
                     "use --zero 0 or 1"]
         return cls.shard_problems(config)
 
+    def __init__(self, mesh, config):
+        super().__init__(mesh, config)
+        self.shard_group = self.group  # the ranks each unit is sharded over: all of dp (hsdp.py: one replica)
+
     def apply(self, parts, shared, owned):
         (model,) = parts
         self.dims = {id(p): p.dim() for p in model.parameters()}  # before they become 1-D shards
-        self.handle = fully_shard(model, self.group, units=list(model.blocks.values()), prefetch=self.config.prefetch)
+        self.handle = fully_shard(model, self.shard_group, units=list(model.blocks.values()),
+                                  prefetch=self.config.prefetch)
         return parts
 
     def make_optimizer(self, parts, lr, weight_decay):
@@ -558,7 +567,7 @@ class FullyShardStep(DataParallelStep):
         self.handle.finish_gradient_synchronization()
 
     def norm(self, counted, scaled):
-        return counted, scaled, self.group
+        return counted, scaled, self.shard_group
 
     def close(self):
         self.handle.close()

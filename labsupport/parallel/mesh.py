@@ -59,28 +59,39 @@ class Mesh:
         self.embedding_group = None
         if comm.get_world_size() > 1:
             for axis in reversed(axes_of(self.degrees)):  # the same order on every rank, fastest axis first
-                self._make(axis, groups_along(axis, self.degrees))
+                self._groups[axis] = self._create(axis, groups_along(axis, self.degrees))
             if self.cp > 1:
-                self._make("dp_cp", [[rank_of({"dp": d, "pp": p, "cp": c, "tp": t}, self.degrees)
-                                      for d in range(self.dp) for c in range(self.cp)]
-                                     for p in range(self.pp) for t in range(self.tp)])
+                self._groups["dp_cp"] = self._create("dp_cp", [
+                    [rank_of({"dp": d, "pp": p, "cp": c, "tp": t}, self.degrees) for d in range(self.dp) for c in range(self.cp)]
+                    for p in range(self.pp) for t in range(self.tp)])
             if self.ep > 1:
-                dp_groups = groups_along("dp", self.degrees)
-                self._make("ep", [g[i:i + self.ep] for g in dp_groups for i in range(0, self.dp, self.ep)])
-                self._make("edp", [g[e::self.ep] for g in dp_groups for e in range(self.ep)])
+                self._groups["ep"], self._groups["edp"] = self.split_dp(self.ep, name=("ep", "edp"))
             if self.pp > 1:  # Megatron-LM's embedding group: the first and last stage share the tied matrix
-                for members in groups_along("pp", self.degrees):
-                    group = comm.new_group([members[0], members[-1]], name="embedding")
-                    if self.rank in (members[0], members[-1]):
-                        self.embedding_group = group
+                self.embedding_group = self._create("embedding", [[members[0], members[-1]]
+                                                                  for members in groups_along("pp", self.degrees)])
 
-    def _make(self, name: str, groups: list[list[int]]) -> None:
-        """Create every group of `groups` (each rank creates all of them) and keep this rank's."""
+    def _create(self, name: str, groups: list[list[int]]):
+        """Create every group of `groups` (a collective: every rank creates all of them); this rank's."""
         from .. import comm
+        mine = None
         for members in groups:
             group = comm.new_group(members, name=name)
             if self.rank in members:
-                self._groups[name] = group
+                mine = group
+        return mine
+
+    def split_dp(self, size: int, name: tuple[str, str]) -> tuple:
+        """Each DP group cut into groups of `size` consecutive DP ranks: (this rank's group of them, and
+        the group of the ranks at its place in the other cuts). Expert parallelism's ep and edp groups;
+        hybrid sharding's shard and replicate groups. A collective: every rank calls it, in the same
+        order; on one process both are None."""
+        from .. import comm
+        if comm.get_world_size() == 1:
+            return None, None
+        dp_groups = groups_along("dp", self.degrees)
+        inside = self._create(name[0], [g[i:i + size] for g in dp_groups for i in range(0, self.dp, size)])
+        across = self._create(name[1], [g[k::size] for g in dp_groups for k in range(size)])
+        return inside, across
 
     def group(self, name: str):
         """This rank's group `name` (one of GROUPS); None where it is the world of one rank, or absent."""

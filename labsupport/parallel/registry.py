@@ -93,6 +93,7 @@ STRATEGIES = {
     "zero1": ours(zero=1),  # (ZeRO's step itself asks for dp above 1)
     "zero2": ours(zero=2),
     "zero3": ours(zero=3),
+    "hsdp": ours(("dp_replicate",), zero=3),  # ZeRO-3 in replicas: --dp-replicate R (hsdp.py)
     "torch-zero1": reference(torch_zero1, ("dp",), zero=1),
     "torch-fsdp": reference(torch_fsdp, ("dp",), zero=3),
     "accelerate-fsdp": reference(accelerate_fsdp, ("dp",), zero=None, default_zero=3),  # it refuses 1
