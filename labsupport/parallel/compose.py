@@ -14,21 +14,23 @@ model one after the other, each on its own axis of the rank grid (mesh.py), alwa
    leaves them alone;
 5. data parallelism over the DP axis (with cp, dp x cp), in one of its flavours (`--zero` picks
    it): DDP's buckets (`DataParallelStep`, ddp.py, --zero 0), ZeRO-1/2's reduce-scattering buckets
-   and sharded optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py).
+   and sharded optimizer (`ZeROStep`, zero.py), ZeRO-3's sharded units (`FullyShardStep`, fsdp.py),
+   ZeRO-3 inside replicas of the dp ranks (`HybridShardStep`, hsdp.py, --dp-replicate).
 
 `STEPS` below is that order. A step that does not apply (its degree is 1) is left out, so its
-group carries no traffic; a new parallelism is a step in a file of its own and a line in `STEPS`. The strategies `single`,
-`ddp`, `zero1`..`zero3`, `tp`, `pp` and `3d` are presets of this one composition (which degrees
-they may set, which ZeRO stage), not classes of their own (registry.py).
+group carries no traffic. The composition reads the degrees of the configuration, never a
+strategy's name: `single`, `ddp`, `zero1`..`zero3`, `hsdp`, `tp`, `pp`, `cp` and `3d` are names for
+it (registry.py), not classes of their own. ARCHITECTURE.md says what a new parallelism touches
+(a step in a file of its own and its line in `STEPS`; a new degree, a few lines more).
 
 What a step may do is the `Step` class (step.py): every hook's default does nothing, so a step
 overrides what its mechanism changes and nothing else, and no step knows another. `Parallel`,
 the strategy the training loop calls (strategy.py says what the loop asks), asks its steps in
 turn: the loss from the first step that has one (TP's is vocab-parallel); gradients finished in
 reverse order (DP's buckets are waited for before the pipeline sums the tied matrix's copies);
-the gradient norm from what each step says is counted elsewhere (clip.py). The micro-batches are
-run by the pipeline's executor when there is a pipeline, else by the plain loop, each cut to this
-rank's share first (`Step.local_batch`). The model's own auxiliary loss (`TinyGPT.aux_loss`) joins
+the gradient norm from what each step says is counted elsewhere (clip.py). The micro-batches, each
+cut to this rank's share first (`Step.local_batch`), are run by the runner a step brings (the
+pipeline's schedule) or else by the plain loop (`Step.runner`). The model's own auxiliary loss (`TinyGPT.aux_loss`) joins
 the training loss here; validation reports the language-model loss alone.
 """
 from __future__ import annotations
