@@ -4,10 +4,10 @@
   expert's queue in GShard's order: outputs, the load-balancing loss, what is routed and dropped, and
   every gradient. A planted bug (combine adding each output to the token of the unsorted
   assignment, the dispatch sort not undone) fails it.
-- On 2 and 4 real ranks (one launch each, checking everything), expert parallelism equals the
-  one-rank MoE on the same global batch, with capacity to spare and with drops: outputs, the
-  loss, the load per expert and every gradient within 1e-5 relative, the counters equal to
-  estimate.experts' traffic, and removing it gives back the dense layer.
+- On 2 and 4 real ranks (one launch each, checking everything: conftest.cases_on_ranks), expert
+  parallelism equals the one-rank MoE on the same global batch, with capacity to spare and with
+  drops: outputs, the loss, the load per expert and every gradient within 1e-5 relative, the
+  counters equal to estimate.experts' traffic, and removing it gives back the dense layer.
 - Bad shapes are refused in one line; the parameter count is held to Mixtral 8x7B's published one.
 """
 import importlib.util
@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import planted_copy
+from conftest import cases_on_ranks, planted_copy
 from labsupport.estimate.experts import MIXTRAL_8X7B, expert_params, moe_comm, moe_layer_params, moe_model_params
-from labsupport.launch import launch
 from labsupport.parallel import experts
 from labsupport.parallel.experts import MoE, problems
 
@@ -131,11 +130,13 @@ def test_parameter_counts():
 # ---------------------------------------------------------------- expert parallelism on real ranks
 
 EXPERT_PARALLEL = textwrap.dedent('''
+    import json, sys
     import torch
     from labsupport import comm, init, report
     from labsupport.parallel.experts import MoE, apply_expert_parallel, remove_expert_parallel
 
     HIDDEN, FFN, N_EXPERTS, CASES = {hidden}, {ffn}, {n_experts}, {cases}
+    [(label,)] = json.loads(sys.argv[1])  # one case per EP degree: every MoE case of CASES
     failures, results = [], {{}}
 
     def close(what, got, want):
@@ -187,18 +188,20 @@ EXPERT_PARALLEL = textwrap.dedent('''
             for (n, p), q in zip(moe.named_parameters(), reference.parameters()):
                 if not torch.equal(p, q):
                     failures.append(f"{{name}}: {{n}} after remove_expert_parallel is not the reference's")
-    report(failures=failures, results=results)
+    report(**{{label: dict(failures=failures, results=results)}})
 ''')
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
-def expert_parallel(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    script = EXPERT_PARALLEL.format(hidden=HIDDEN, ffn=FFN, n_experts=N_EXPERTS, cases=CASES)
+    return cases_on_ranks(tmp_path_factory, script, {f"ep {ep}": (ep,) for ep in (2, 4)})
+
+
+@pytest.fixture(params=[2, 4], ids=lambda n: f"ep{n}")
+def expert_parallel(request, checks):
     """One launch per EP degree runs every case; each rank reports its failures, loads and counters."""
-    where = tmp_path_factory.mktemp(f"ep{request.param}")
-    script = where / "expert_parallel.py"
-    script.write_text(EXPERT_PARALLEL.format(hidden=HIDDEN, ffn=FFN, n_experts=N_EXPERTS, cases=CASES))
-    res = launch(str(script), nproc=request.param, timeout=180, run_dir=where / "run")
-    return request.param, [res.report(rank) for rank in range(request.param)]
+    return request.param, checks(f"ep {request.param}")
 
 
 @pytest.mark.multiprocess
