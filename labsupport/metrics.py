@@ -4,6 +4,9 @@ Memory is counted by category because each parallelism attacks a different one: 
 ZeRO the optimizer state, gradients and parameters, tensor/pipeline parallelism all of them
 plus activations. The numbers come from the tensors themselves, so they hold on CPU too;
 on CUDA the allocator's peak is reported beside them.
+
+`overlap` (a recorded step's communication, hidden behind backward or exposed) is `trace.py`'s,
+torch-free so the timeline widget can use it; it is importable from here too.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from .estimate.flops import peak_tflops, training_flops_per_token
+from .trace import overlap  # noqa: F401  (re-exported: the notebooks import it from here)
 
 
 def tensor_bytes(tensors) -> int:
@@ -25,7 +29,7 @@ def tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        if hasattr(t, "to_local"):  # a DTensor (not imported here: widgets use this module)
+        if hasattr(t, "to_local"):  # a DTensor, by duck type (torch.distributed.tensor is not imported here)
             t = t.to_local()
         t = getattr(t, "ds_tensor", t)  # a parameter DeepSpeed's ZeRO-3 partitioned: the partition held
         key = (t.untyped_storage().data_ptr(), t.device)
@@ -150,33 +154,6 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 def mfu(tokens_per_s: float, cfg, peak_flops: float) -> float:
     """Model FLOPs utilization: achieved model FLOP/s over peak (PaLM, Chowdhery et al. 2022, App. B)."""
     return tokens_per_s * training_flops_per_token(cfg) / peak_flops
-
-
-def _union(intervals):
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def overlap(events: list[dict], compute=("backward",), comm_ops=("all_reduce",)) -> dict:
-    """How much communication a step hid behind compute, from a recorded timeline (trace-rank*.json).
-
-    hidden: time during which an all-reduce was in flight while backward was running;
-    exposed: communication time with no compute beside it, which the step pays in full.
-    """
-    busy = _union([(e["start"], e["end"]) for e in events if e["op"] in compute])
-    talk = _union([(e["start"], e["end"]) for e in events if e["op"] in comm_ops])
-    hidden = _length(_union([(max(a, c), min(b, d)) for a, b in busy for c, d in talk if min(b, d) > max(a, c)]))
-    return {"compute_s": _length(busy), "comm_s": _length(talk), "hidden_s": hidden,
-            "exposed_s": _length(talk) - hidden}
 
 
 class JsonlWriter:

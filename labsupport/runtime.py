@@ -299,18 +299,3 @@ def report(**values) -> None:
         return
     with open(os.path.join(run_dir, f"report-rank{rank}.jsonl"), "a", encoding="utf-8") as f:
         f.write(json.dumps(values) + "\n")
-
-
-def _smoke_test() -> None:
-    """`python -m labsupport.runtime` under a launcher: all-reduce each rank's rank+1 (doctor runs this)."""
-    from . import comm
-    with init() as rt:
-        t = torch.tensor([float(rt.rank + 1)], device=rt.device)
-        if rt.distributed:
-            comm.all_reduce(t)
-        rt.print(rt.describe(), ranks="all")
-        report(all_reduce_sum=t.item())
-
-
-if __name__ == "__main__":
-    _smoke_test()

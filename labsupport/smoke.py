@@ -1,9 +1,18 @@
-"""`python -m labsupport.smoke`: the 2-rank smoke test that `labsupport doctor` launches.
+"""`python -m labsupport.smoke`: the 2-rank smoke test that `labsupport doctor` launches: each rank
+all-reduces its rank + 1 and reports the sum.
 
-It is `labsupport.runtime`'s smoke test run as a module of its own: `labsupport/__init__` imports
-`labsupport.runtime`, and running an already imported module with `-m` makes runpy warn on every rank.
+A module of its own, not `python -m labsupport.runtime`: `labsupport/__init__` imports the runtime,
+and running an already imported module with `-m` makes runpy warn on every rank.
 """
-from .runtime import _smoke_test
+import torch
+
+from . import comm
+from .runtime import init, report
 
 if __name__ == "__main__":
-    _smoke_test()
+    with init() as rt:
+        t = torch.tensor([float(rt.rank + 1)], device=rt.device)
+        if rt.distributed:
+            comm.all_reduce(t)
+        rt.print(rt.describe(), ranks="all")
+        report(all_reduce_sum=t.item())

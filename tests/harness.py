@@ -170,6 +170,11 @@ def resume(run: Run, step: int, tmp_path: Path) -> Run:
     """`run` again, resumed from a copy of its checkpoint at `step` (the cached run's stays as it was)."""
     ckpt = tmp_path / "resumed"
     shutil.copytree(checkpoint.step_dir(run.checkpoint_dir, step), checkpoint.step_dir(ckpt, step))
+    return resume_from(run, ckpt, tmp_path)
+
+
+def resume_from(run: Run, ckpt: Path, tmp_path: Path) -> Run:
+    """`run`'s configuration again, resumed from the latest checkpoint in `ckpt` (another run of it wrote them)."""
     res = cli("train", *run.argv, "--checkpoint-dir", ckpt, "--run-dir", tmp_path / "run", "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     LAUNCHES.append(("resumed", *run.argv))

@@ -1,7 +1,8 @@
 """Context parallelism (labsupport/parallel/context.py) on real ranks, held to dense causal attention
 on one process, and the estimate (labsupport/estimate/context.py) held to what the ranks measure.
 
-One launch per rank count (2 and 4) runs RANKS, which checks everything for that count and reports:
+One launch per rank count (2 and 4, conftest.cases_on_ranks) runs RANKS, which checks everything for
+that count and reports:
 - ring attention on this rank's share of q, k, v, balanced and plain split, each block by the fused
   kernel and by the plain math: the output and dq, dk, dv equal dense scaled_dot_product_attention's
   on the whole sequence (1e-5 relative);
@@ -16,6 +17,7 @@ import textwrap
 
 import pytest
 
+from conftest import cases_on_ranks
 from labsupport.estimate.context import (activation_bytes, attention_memory, long_sequence_memory,
                                          min_block_for_overlap, ring_traffic, split_problems, stage_activation_bytes)
 from labsupport.estimate.memory import activation_bytes_per_layer, model_state_bytes
@@ -26,7 +28,7 @@ B, HEADS, HEAD_DIM, SEQ = 2, 2, 4, 16  # 2 cp = 8 chunks of 2 positions on 4 ran
 SPLITS = [f"{split} {kernel}" for split in ("balanced", "plain") for kernel in ("flash", "math")]
 
 RANKS = textwrap.dedent(f'''
-    import weakref
+    import json, sys, weakref
     import torch, torch.nn.functional as F
     from labsupport import comm, init, report
     from labsupport.metrics import ActivationMeter
@@ -53,6 +55,7 @@ RANKS = textwrap.dedent(f'''
         def release(self, n):
             self.bytes -= n
 
+    [(label,)] = json.loads(sys.argv[1])  # one case per rank count: everything this count checks
     out = {{}}
     with init(seed=0) as rt:
         group = comm.new_group(range(rt.world_size), "cp")
@@ -106,19 +109,19 @@ RANKS = textwrap.dedent(f'''
         out["module scores"] = cp_on.counts
         cp_on.remove()
         out["removed is dense"] = rel(attention(x), y_ref)
-    report(**out)
+    report(**{{label: out}})
 ''')
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
-def ranks(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    return cases_on_ranks(tmp_path_factory, RANKS, {f"cp {cp}": (cp,) for cp in (2, 4)})
+
+
+@pytest.fixture(params=[2, 4], ids=["cp2", "cp4"])
+def ranks(request, checks):
     """Rank k's reports of one launch of RANKS on cp ranks: (cp, [report of rank k])."""
-    from labsupport.launch import launch
-    where = tmp_path_factory.mktemp(f"cp{request.param}")
-    script = where / "ring.py"
-    script.write_text(RANKS)
-    res = launch(str(script), nproc=request.param, timeout=120, run_dir=where / "run", ranks="0")
-    return request.param, [res.report(r) for r in range(request.param)]
+    return request.param, checks(f"cp {request.param}")
 
 
 @pytest.mark.multiprocess

@@ -6,7 +6,7 @@ and their estimates.
   every gradient; an expert no token chooses gets no gradient (None, as the loop leaves it, so AdamW
   does not decay it). A planted bug (combine adding each output to the token of the unsorted
   assignment, the dispatch sort not undone) fails it.
-- On 2 and 4 real ranks (one launch each, checking everything), expert parallelism equals the
+- On 2 and 4 real ranks (one launch each, checking everything: conftest.cases_on_ranks), expert parallelism equals the
   one-rank MoE on the same global batch, with capacity to spare, with drops and with an expert no
   token reaches (on 4 ranks its rank receives no row, yet joins the backward's all-to-alls): outputs,
   the loss, the load per expert and every gradient within 1e-5 relative (None where the one-rank
@@ -25,10 +25,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import planted_copy
+from conftest import cases_on_ranks, planted_copy
 from labsupport.estimate.experts import MIXTRAL_8X7B, expert_params, moe_comm, moe_layer_params, moe_model_params
 from labsupport import model
-from labsupport.launch import launch
 from labsupport.model import MoE, moe_problems
 from labsupport.parallel import ParallelConfig
 from labsupport.parallel.experts import ExpertParallelStep, problems
@@ -168,6 +167,9 @@ def test_parameter_counts():
 # ---------------------------------------------------------------- expert parallelism on real ranks
 
 EXPERT_PARALLEL = textwrap.dedent('''
+    import json
+    import sys
+
     import torch
     from labsupport import comm, init, report
     from labsupport.model import MoE
@@ -176,6 +178,7 @@ EXPERT_PARALLEL = textwrap.dedent('''
     from labsupport.parallel.mesh import Mesh
 
     HIDDEN, FFN, N_EXPERTS, CASES = {hidden}, {ffn}, {n_experts}, {cases}
+    [(label,)] = json.loads(sys.argv[1])  # one case per EP degree: every MoE case of CASES
     failures, results, steps = [], {{}}, {{}}
 
     def close(what, got, want):
@@ -248,19 +251,21 @@ EXPERT_PARALLEL = textwrap.dedent('''
                 steps[reached_by] = {{
                     "had": had, "grads": {{n: None if p.grad is None else p.grad.tolist()
                                           for n, p in moe.named_parameters() if n.startswith("experts.")}}}}
-    report(failures=failures, results=results, steps=steps)
+    report(**{{label: dict(failures=failures, results=results, steps=steps)}})
 ''')
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
-def expert_parallel(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
     """One launch per EP degree runs every case; each rank reports its failures, loads and counters."""
-    where = tmp_path_factory.mktemp(f"ep{request.param}")
-    script = where / "expert_parallel.py"
-    script.write_text(EXPERT_PARALLEL.format(hidden=HIDDEN, ffn=FFN, n_experts=N_EXPERTS, cases=CASES,
-                                             build=inspect.getsource(build)))
-    res = launch(str(script), nproc=request.param, timeout=180, run_dir=where / "run")
-    return request.param, [res.report(rank) for rank in range(request.param)]
+    script = EXPERT_PARALLEL.format(hidden=HIDDEN, ffn=FFN, n_experts=N_EXPERTS, cases=CASES,
+                                    build=inspect.getsource(build))
+    return cases_on_ranks(tmp_path_factory, script, {f"ep {ep}": (ep,) for ep in (2, 4)})
+
+
+@pytest.fixture(params=[2, 4], ids=lambda n: f"ep{n}")
+def expert_parallel(request, checks):
+    return request.param, checks(f"ep {request.param}")
 
 
 @pytest.mark.multiprocess

@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import planted_copy
+from conftest import cases_on_ranks, planted_copy
 from harness import PLANTS, assert_same_as_single, planted, prefetch, resume, single, train
 from labsupport import train as train_module
 from labsupport.parallel import strategy as strategy_module
 from labsupport.estimate.memory import estimate_memory, tinygpt_activation_bytes
-from labsupport.launch import launch
 from labsupport.model import PRESETS, TinyGPT, get_preset, lm_loss
 from labsupport.parallel import ConfigError
 from labsupport.parallel import loss_scale
@@ -105,8 +104,8 @@ def test_an_fp16_run_resumes_with_its_loss_scale(runs, tmp_path):
 
 SCALER = textwrap.dedent('''
     """Two ranks, an inf in rank 1's gradient only: both must skip, halve the scale and keep their
-    weights; a clean step after it updates both. One case per module argv[1] lists (JSON), each
-    with its own model and LossScaler, reported under the module's name."""
+    weights; a clean step after it updates both. One case per (label, module) argv[1] lists (JSON),
+    each with its own model and the module's LossScaler, reported under its label."""
     import importlib, json, sys
     import torch
     from labsupport import init, report
@@ -132,8 +131,8 @@ SCALER = textwrap.dedent('''
 
 
     with init(seed=0) as rt:
-        for module in json.loads(sys.argv[1]):
-            report(**{module: case(rt, module)})
+        for label, module in json.loads(sys.argv[1]):
+            report(**{label: case(rt, module)})
 ''')
 
 
@@ -141,13 +140,11 @@ SCALER = textwrap.dedent('''
 def scaler_seen(tmp_path_factory):
     """`scaler_seen(module)`: each rank's (skipped, scale, updated) per step with `module`'s LossScaler.
     The real module and a planted copy (the inf not combined across ranks) run in one launch."""
-    folder = tmp_path_factory.mktemp("scaler")
-    planted_copy(loss_scale, [('comm.all_reduce(found, "max", group=self.group)', "pass")],
-                 folder / "planted_loss_scale.py")
-    (folder / "scaler.py").write_text(SCALER)
+    def plant(folder):
+        planted_copy(loss_scale, [('comm.all_reduce(found, "max", group=self.group)', "pass")],
+                     folder / "planted_loss_scale.py")
     modules = ["labsupport.parallel.loss_scale", "planted_loss_scale"]
-    res = launch(str(folder / "scaler.py"), json.dumps(modules), nproc=2, timeout=120, run_dir=folder / "run")
-    return lambda module: [res.report(r)[module] for r in range(2)]
+    return cases_on_ranks(tmp_path_factory, SCALER, {module: (2, module) for module in modules}, plant)
 
 
 @pytest.mark.multiprocess

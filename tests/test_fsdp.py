@@ -8,14 +8,13 @@ import textwrap
 import pytest
 import torch
 
-from conftest import planted_copy
-from labsupport.launch import launch
+from conftest import cases_on_ranks, planted_copy
 
 RANKS = textwrap.dedent('''
-    """Runs the cases named first on the world, those named second on ranks 1.. only, those named
-    third on the world with the fully_shard of planted_fsdp.py (a copy of fsdp.py with a bug in it);
-    reports failures, one line each, the planted cases' apart."""
-    import copy, sys
+    """Runs the cases argv[1] lists as JSON, (label, where, case), in turn: where "world" on every rank,
+    "ranks 1.." on a group without rank 0, "planted" on every rank with the fully_shard of planted_fsdp.py
+    (a copy of fsdp.py with a bug in it). Reports {label: failures, one line each}."""
+    import copy, json, sys
     import torch, torch.nn as nn, torch.nn.functional as F
     from labsupport import comm, init, report
     from labsupport.parallel.fsdp import fully_shard
@@ -188,64 +187,64 @@ RANKS = textwrap.dedent('''
         if any(u.gathered for u in units):
             say("close() left a unit gathered")
 
-    on_world, on_subgroup, planted = (arg.split(",") if arg != "-" else [] for arg in sys.argv[1:4])
-    failures, planted_failures = [], []
     with init(seed=0) as rt:
-        for case in on_world:
-            run(case, rt, None, failures)
-        for case in planted:
-            from planted_fsdp import fully_shard as planted_fully_shard
-            run(case, rt, None, planted_failures, planted_fully_shard)
         group = comm.new_group(range(1, rt.world_size), "dp")  # every rank calls it
-        if rt.rank > 0:  # a group without rank 0: its first rank's values win
-            for case in on_subgroup:
+        for label, where, case in json.loads(sys.argv[1]):
+            failures = []
+            if where == "world":
+                run(case, rt, None, failures)
+            elif where == "planted":
+                from planted_fsdp import fully_shard as planted_fully_shard
+                run(case, rt, None, failures, planted_fully_shard)
+            elif rt.rank > 0:  # a group without rank 0: its first rank's values win
                 run(case, rt, group, failures)
-        report(failures=failures, planted_failures=planted_failures)
+            report(**{label: failures})
 ''')
 
-ALL = "mlp,mlp-no-prefetch,mlp-replicated,mlp-bf16,mlp-accumulate,tied,tied-one-unit"
+ALL = ["mlp", "mlp-no-prefetch", "mlp-replicated", "mlp-bf16", "mlp-accumulate", "tied", "tied-one-unit"]
+PLANTED = "planted sum instead of average: mlp on 2 ranks"
 
-
-RUNS = {  # ranks: (cases on the world, then on ranks 1.., then on the world with the planted bug)
-    2: (ALL, "-", "mlp"),
+RUNS = {  # ranks: (cases on the world, then on ranks 1..)
+    2: (ALL, []),
     # 3 ranks: padding, pieces cut between ranks, empty pieces; then ranks 1 and 2, a group without rank 0
-    3: ("mlp,mlp-accumulate,tied", "mlp-replicated,tied-one-unit", "-"),
+    3: (["mlp", "mlp-accumulate", "tied"], ["mlp-replicated", "tied-one-unit"]),
+}
+
+# every case: {label: (ranks, where, case)}; the planted bug runs in the 2-rank launch
+CASES = {
+    **{f"{case} on {nproc} ranks": (nproc, "world", case) for nproc, (on_world, _) in RUNS.items()
+       for case in on_world},
+    **{f"{case} on ranks 1.. of {nproc}": (nproc, "ranks 1..", case) for nproc, (_, on_sub) in RUNS.items()
+       for case in on_sub},
+    PLANTED: (2, "planted", "mlp"),
 }
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """`ranks(nproc)`: each rank's report of the run on `nproc` ranks, launched once for the module:
-    a launch's start (torchrun and N imports of torch) is paid once for all its cases."""
+def checks(tmp_path_factory):
+    """`checks(label)`: the case's failures per rank, every case of N ranks in one launch."""
     from labsupport.parallel import fsdp
-    runs = {}
 
-    def reports(nproc):
-        if nproc not in runs:
-            folder = tmp_path_factory.mktemp(f"ranks{nproc}")
-            planted_copy(fsdp, [('reduce_scatter_tensor(shard, flat, "avg"', 'reduce_scatter_tensor(shard, flat, "sum"')],
-                         folder / "planted_fsdp.py")
-            (folder / "ranks.py").write_text(RANKS)
-            runs[nproc] = launch(str(folder / "ranks.py"), *RUNS[nproc], nproc=nproc, timeout=240,
-                                 run_dir=folder / "run")
-        return [runs[nproc].report(rank) for rank in range(nproc)]
-    return reports
+    def plant(folder):
+        planted_copy(fsdp, [('reduce_scatter_tensor(shard, flat, "avg"', 'reduce_scatter_tensor(shard, flat, "sum"')],
+                     folder / "planted_fsdp.py")
+    return cases_on_ranks(tmp_path_factory, RANKS, CASES, plant)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc, on_world, on_subgroup", [(n, *RUNS[n][:2]) for n in RUNS],
-                         ids=["2 ranks", "3 ranks, then a group of 2"])
-def test_fully_shard_matches_single_device_every_step(ranks, nproc, on_world, on_subgroup):
-    for rank, rep in enumerate(ranks(nproc)):
-        assert rep["failures"] == [], f"rank {rank}"
+@pytest.mark.parametrize("nproc", RUNS, ids=["2 ranks", "3 ranks, then a group of 2"])
+def test_fully_shard_matches_single_device_every_step(checks, nproc):
+    for label in [label for label, (n, where, _) in CASES.items() if n == nproc and where != "planted"]:
+        for rank, failures in enumerate(checks(label)):
+            assert failures == [], f"rank {rank}"
 
 
 @pytest.mark.multiprocess
-def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(ranks):
+def test_planted_sum_instead_of_average_in_the_reduce_scatter_is_caught(checks):
     """Summing the gradients instead of averaging them barely changes AdamW's steps, and clipping
     hides the scale from the clipped gradients: the norm must catch it, and the gradients on a step
     that is not clipped. (Planted in a copy of fsdp.py that the 2-rank run's planted case uses.)"""
-    failures = ranks(2)[0]["planted_failures"]
+    failures = checks(PLANTED)[0]
     assert any(f.startswith("mlp: step 1: gradient norm") for f in failures), failures
     assert any(f.startswith("mlp: step 0: grad of inp.weight differs") for f in failures), failures
 

@@ -112,7 +112,7 @@ def jobs(cluster, tmp_path_factory):
                           "--launcher", "srun", "--", *TRAIN),
         # runtime's own smoke test: every rank prints what it read from Slurm's variables
         "runtime": jobscript("--nodes", NODES, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1, "--port", 29514,
-                             "--launcher", "srun", "--", "python", "-m", "labsupport.runtime"),
+                             "--launcher", "srun", "--", "python", "-m", "labsupport.smoke"),
         "crash": jobscript("--nodes", NODES, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1, "--port", 29512,
                            "--job-name", "crash", "--", "python", "crash.py"),
     }
@@ -215,7 +215,7 @@ def test_scancel_ends_every_rank_on_both_nodes(cluster, tmp_path):
 
 def test_more_nodes_than_exist_are_refused(cluster, tmp_path):
     script = write(tmp_path, activated(jobscript("--nodes", NODES + 1, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1,
-                                                 "--", "python", "-m", "labsupport.runtime")))
+                                                 "--", "python", "-m", "labsupport.smoke")))
     with pytest.raises(slurm.ClusterError, match="Node count specification invalid"):
         cluster.submit(script, env=submit_env())
     # sbatch's own --nodes overrides the script's: Slurm runs it, the script's check stops it

@@ -14,21 +14,16 @@ from labsupport import checkpoint, loop, train
 from labsupport.estimate.params import count_params
 from labsupport.model import PRESETS
 from labsupport.train import build_parser, lr_at
+import harness
 from conftest import cli, run_cli
-from harness import single
+from harness import resume_from, single
 
 NANO = ["--model", "nano", "--global-batch", "8", "--sample-chars", "40", "--eval-batches", "1"]
 
 
-def train_json(*args, nproc=1):
-    res = run_cli("train", "--nproc", nproc, "--json", *NANO, *args)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.splitlines()[-1])
-
-
 @pytest.mark.multiprocess
 def test_single_run_reports_the_contract_and_learns():
-    out = train_json("--strategy", "single", "--steps", "40", "--lr", "3e-3")
+    out = harness.train("single", 1, "--steps", "40", "--lr", "3e-3", settings=NANO)
     for key in ("strategy", "world_size", "model", "n_params", "losses", "tokens_per_s", "memory", "comm", "run_dir"):
         assert key in out
     assert out["strategy"] == "single" and out["world_size"] == 1
@@ -60,12 +55,10 @@ def test_lr_schedule_warms_up_then_decays_to_min():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_killed_run_resumes_bit_identically(tmp_path):
-    steps = ["--strategy", "single", "--steps", "120", "--checkpoint-every", "10"]
-    full = train_json(*steps, "--checkpoint-dir", tmp_path / "a")
+    full = harness.train("single", 1, "--steps", "120", "--checkpoint-every", "10", settings=NANO)
 
     ckpt = tmp_path / "b"
-    cmd = [sys.executable, "-m", "labsupport.cli", "train", "--json", *NANO, *map(str, steps),
-           "--checkpoint-dir", str(ckpt)]
+    cmd = [sys.executable, "-m", "labsupport.cli", "train", *map(str, full.argv), "--checkpoint-dir", str(ckpt)]
     victim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240  # a bound against a hang, not a speed check
     while checkpoint.latest(ckpt) is None:
@@ -76,7 +69,7 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     killed_at = checkpoint.latest(ckpt)
     assert killed_at < 120, "the run finished before it could be killed"
 
-    resumed = train_json(*steps, "--checkpoint-dir", ckpt, "--resume")
+    resumed = resume_from(full, ckpt, tmp_path)
     assert resumed["resumed_from"] == killed_at
     assert resumed["losses"] == full["losses"]  # bit-identical, not approximately equal
 

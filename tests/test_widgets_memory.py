@@ -1,9 +1,7 @@
 """The memory widget and its static figures: every number equals estimate_memory's, no browser needed."""
-import ast
 from dataclasses import replace
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib
 import pytest
@@ -16,8 +14,6 @@ from labsupport.estimate.params import count_params  # noqa: E402
 from labsupport.estimate.shapes import PRESETS, ModelConfig, corpus_vocab  # noqa: E402
 from labsupport.widgets import memory as wm  # noqa: E402
 from labsupport.units import format_bytes  # noqa: E402
-
-WIDGETS = Path(wm.__file__).parent
 
 
 def bar_heights(ax) -> list[float]:
@@ -139,14 +135,6 @@ def test_format_bytes():
     assert format_bytes(16_700_001_402_880) == "16.70 TB"
     assert format_bytes(3_268_096) == "3.27 MB"
     assert format_bytes(512) == "512 B"
-
-
-def test_widgets_import_no_torch_distributed():
-    for path in WIDGETS.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n.startswith("torch.distributed") for n in names), path
 
 
 def test_widgets_package_imports_no_submodule():

@@ -1,5 +1,4 @@
-"""The overlap timeline draws recorded steps and shows metrics.overlap's numbers; synthetic traces, no ranks."""
-import ast
+"""The overlap timeline draws recorded steps and shows trace.overlap's numbers; synthetic traces, no ranks."""
 import json
 from pathlib import Path
 
@@ -11,7 +10,7 @@ pytest.importorskip("ipywidgets")
 
 from matplotlib.colors import to_rgba  # noqa: E402
 
-from labsupport.metrics import overlap  # noqa: E402
+from labsupport.trace import overlap  # noqa: E402
 from labsupport.widgets import timeline as tl  # noqa: E402
 
 MS = 1e-3
@@ -61,7 +60,7 @@ def test_load_traces_in_rank_order(tmp_path):
         tl.load_traces(tmp_path)
 
 
-def test_summary_is_metrics_overlap():
+def test_summary_is_trace_overlap():
     s = tl.summary(BUCKETED[0])
     assert {k: s[k] for k in ("compute_s", "comm_s", "hidden_s", "exposed_s")} == overlap(BUCKETED[0]["events"])
     assert s["hidden_s"] == pytest.approx(0.010 + 0.002) and s["exposed_s"] == pytest.approx(0.010)
@@ -148,14 +147,6 @@ def test_widget_starting_value_and_errors(tmp_path):
         tl.TimelineWidget({})
     with pytest.raises(FileNotFoundError):
         tl.TimelineWidget({"empty": tmp_path})
-
-
-def test_timeline_imports_no_torch_distributed():
-    tree = ast.parse(Path(tl.__file__).read_text())
-    for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-        assert not any(n.startswith("torch") for n in names)
 
 
 def test_legend_names_every_colour_and_bucket_numbers_are_readable():

@@ -40,12 +40,12 @@ def _pass_on_function():
     import torch
 
     from .. import comm
-    from ..parallel.context import _pass_on
+    from ..parallel.context import start_pass_on
 
     class PassOn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, k, v):
-            return tuple(_pass_on([k.contiguous(), v.contiguous()], None)())
+            return tuple(start_pass_on([k.contiguous(), v.contiguous()], None)())
 
         @staticmethod
         def backward(ctx, dk, dv):

@@ -146,9 +146,9 @@ def _block_backward_flash(d_out, q, k, v, out, lse, causal, scale):
 KERNELS = {"math": (_block_math, _block_backward_math), "flash": (_block_flash, _block_backward_flash)}
 
 
-def _pass_on(tensors, group, tag=0):
-    """Send `tensors` to the next rank of the ring and receive the previous rank's into new buffers.
-    Returns a function that waits for both and gives the received tensors."""
+def start_pass_on(tensors, group, tag=0):
+    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's into new
+    buffers. Returns a function that waits for both and gives the received tensors."""
     me, n = comm.get_rank(group), comm.get_world_size(group)
     nxt, prev = comm.global_rank(group, (me + 1) % n), comm.global_rank(group, (me - 1) % n)
     received = [torch.empty_like(t) for t in tensors]
@@ -176,7 +176,7 @@ class _RingAttention(torch.autograd.Function):
         k_cur, v_cur = k.contiguous(), v.contiguous()  # views of one qkv matrix cannot be sent as they are
         for step in range(cp):
             if step < cp - 1:
-                arrived = _pass_on([k_cur, v_cur], group)
+                arrived = start_pass_on([k_cur, v_cur], group)
             k_pos = positions(seq_len, (rank - step) % cp, cp, balanced, q.device)
             for qr, kr, causal in _visible_blocks(q_pos, k_pos, balanced):
                 block_out, block_lse = attend(q[..., qr, :], k_cur[..., kr, :], v_cur[..., kr, :], causal, scale)
@@ -205,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
         k_cur, v_cur = k.contiguous(), v.contiguous()
         for step in range(cp):
             if step < cp - 1:
-                arrived = _pass_on([k_cur, v_cur], group)
+                arrived = start_pass_on([k_cur, v_cur], group)
             k_pos = positions(seq_len, (rank - step) % cp, cp, balanced, q.device)
             dk_block = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv_block = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -222,7 +222,7 @@ class _RingAttention(torch.autograd.Function):
                 if step > 1:
                     dk_sum, dv_sum = sums_arrived()
                     dk_block, dv_block = dk_block + dk_sum, dv_block + dv_sum
-                sums_arrived = _pass_on([dk_block, dv_block], group, tag=2)
+                sums_arrived = start_pass_on([dk_block, dv_block], group, tag=2)
             if step < cp - 1:
                 k_cur, v_cur = arrived()
         if cp > 1:  # after cp - 1 hops, the sums for this rank's block are home

@@ -26,5 +26,5 @@ for the places where widgets do not run: GitHub's notebook viewer, nbval, a PDF 
 
 Import the submodule you need, e.g. `from labsupport.widgets.memory import MemoryWidget`;
 nothing is imported here, so loading one widget never pulls in the others' dependencies.
-Nothing under `widgets/` imports `torch.distributed`.
+Nothing under `widgets/` imports torch, nor anything from `labsupport.parallel` (tests/test_imports.py).
 """

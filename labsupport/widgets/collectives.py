@@ -220,7 +220,7 @@ def draw_state(ax, walk: Walkthrough, k: int, *, fontsize: float = FONT, label: 
         ax.set_xlabel(label, fontsize=fontsize + 1)
 
 
-def _wrap(text: str, width: int) -> str:
+def wrap_words(text: str, width: int) -> str:
     """Break a caption into lines of at most `width` characters, at spaces."""
     lines, line = [], ""
     for word in text.split():
@@ -249,8 +249,8 @@ def draw_single(fig: Figure, walk: Walkthrough, k: int, caption: bool = True) ->
     n = walk.n
     width, row = max(5.5, 0.9 * n + 1.4), 0.5 if n <= 4 else 0.6
     chars = int(width * 72 / (0.56 * FONT)) - 4  # characters per line of wrapped text
-    lines = _wrap(describe_step(walk.steps, k), chars) if caption else ""
-    legend = _wrap(_legend_text(walk, sep=";  "), chars)
+    lines = wrap_words(describe_step(walk.steps, k), chars) if caption else ""
+    legend = wrap_words(_legend_text(walk, sep=";  "), chars)
     line = FONT * 1.3 / 72  # inches
     top = 0.6
     bottom = 0.4 + line * (legend.count("\n") + 1) + (line * (lines.count("\n") + 1) + 0.08 if lines else 0)

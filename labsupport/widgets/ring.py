@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 from matplotlib.ticker import PercentFormatter
 
-from .collectives import RANK_COLORS, _wrap
+from .collectives import RANK_COLORS, wrap_words
 from .figure import NotebookFigure, Stepper, figure_png
 
 UI_SIZES = (2, 3, 4, 5, 6, 8)  # ranks offered in the menu
@@ -220,7 +220,7 @@ def draw(fig: Figure, walk: RingWalk, k: int, text: bool = True) -> None:
     matrix = 0.42 * n + 1.0
     width = max(WIDTH_IN, matrix + PANEL_IN)
     line = FONT * 1.35 / 72
-    legend = _wrap(LEGEND, int(width * 72 / (0.56 * FONT)) - 4)
+    legend = wrap_words(LEGEND, int(width * 72 / (0.56 * FONT)) - 4)
     below = 0.3 + line * (len(lines) + legend.count("\n") + 1.5)
     height = matrix + 0.45 + below
     fig.clear()

@@ -11,7 +11,7 @@ module only reads and draws those files:
     TimelineWidget(run_dirs)    a toggle between runs (naive / flat / bucketed, or bucket sizes)
 
 How much communication was hidden behind the backward pass and how much the step paid for
-("exposed") is `labsupport.metrics.overlap`, the function the notebooks and tests call too;
+("exposed") is `labsupport.trace.overlap`, the function the notebooks and tests call too;
 nothing here computes it again. In the picture, the part of an all-reduce bar that lies under
 the backward pass is drawn in the "hidden" colour by clipping the bar to the backward pass's
 time span, so the colours show exactly the intervals that overlap() measures.
@@ -28,7 +28,7 @@ from pathlib import Path
 from matplotlib.patches import Patch
 from matplotlib.path import Path as MplPath
 
-from ..metrics import overlap
+from ..trace import overlap
 from .figure import NotebookFigure, figure_png
 
 COMPUTE_OPS = ("forward", "backward", "finish_backward", "optimizer")
@@ -68,7 +68,7 @@ def comm_events(trace: dict) -> list[dict]:
 
 
 def summary(trace: dict) -> dict:
-    """metrics.overlap of the step, plus how many all-reduces it made, their payload bytes, and the
+    """trace.overlap of the step, plus how many all-reduces it made, their payload bytes, and the
     step's duration on that rank (`step_s`: from its first recorded event to its last)."""
     calls = comm_events(trace)
     events = trace["events"]
@@ -204,7 +204,7 @@ class TimelineWidget:
     `TimelineWidget({"flat": run_dir_a, "bucketed": run_dir_b})` in a notebook cell displays it.
     Its state is inspectable without a browser: set `w.controls["run"].value = "flat"`, and
     `w.label`, `w.traces` (that run's traces), `w.summaries` (summary() per rank, whose overlap
-    numbers are metrics.overlap's), `w.text` and `w.png` follow.
+    numbers are trace.overlap's), `w.text` and `w.png` follow.
     """
 
     def __init__(self, run_dirs: dict, value: str | None = None):
