@@ -104,7 +104,7 @@ def test_a_refusal_is_the_process_exit_status_and_one_line(tmp_path):
     """Refusals elsewhere, and the harness's runs, call the CLI's `main` in the test's process; the
     command itself exits 2 with the same one line, and no traceback."""
     res = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--bucket-mb", "0", "--run-dir", tmp_path / "run")
-    assert res.returncode == 2 and res.stderr == "labsupport train: error: --bucket-mb must be > 0, got 0\n", res.stderr
+    assert res.returncode == 2 and res.stderr == "labsupport train: error: DDP: --bucket-mb must be > 0, got 0\n", res.stderr
     assert res.stdout == "" and not (tmp_path / "run").exists()
 
 

@@ -62,9 +62,9 @@ def steps_for(config, steps=STEPS) -> list[type]:
 
 
 def step_problems(config, model=None, microbatches: int | None = None) -> list[str]:
-    """Every step's objections to the configuration: each checks its own options, whether it
-    applies or not (a --schedule is wrong even where no pipeline runs it)."""
-    return [line for step in STEPS for line in step.problems(config, model, microbatches)]
+    """Every step's objections to the configuration, each line headed by the step's name: each checks
+    its own options, whether it applies or not (a --schedule is wrong even where no pipeline runs it)."""
+    return [f"{step.title}: {line}" for step in STEPS for line in step.problems(config, model, microbatches)]
 
 
 def parallelize(model: torch.nn.Module, mesh, config, steps=STEPS) -> tuple[list[torch.nn.Module], list[Step]]:

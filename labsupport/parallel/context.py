@@ -321,6 +321,7 @@ class ContextParallelStep(Step):
     attention by the ring. See the module docstring; data parallelism does the gradient average."""
 
     axis = "cp"
+    title = "context parallelism"
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):

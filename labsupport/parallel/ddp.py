@@ -365,6 +365,7 @@ class DataParallelStep(Step):
     not replicas, and are left to that step."""
 
     axis = "dp"
+    title = "DDP"
     zero_stages = (0,)  # the --zero values this flavour is
 
     def __init__(self, mesh, config):

@@ -138,6 +138,7 @@ class ExpertParallelStep(Step):
     It also owns the checks of the mixture-of-experts options, whether it applies or not."""
 
     axis = "ep"
+    title = "expert parallelism"
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):

@@ -534,6 +534,7 @@ class FullyShardStep(DataParallelStep):
     for `no_sync` to save; the squares of the shards are summed over the DP group."""
 
     zero_stages = (3,)
+    title = "ZeRO-3"
 
     @classmethod
     def applies(cls, config):

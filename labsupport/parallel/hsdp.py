@@ -25,6 +25,8 @@ from .fsdp import FullyShardStep
 class HybridShardStep(FullyShardStep):
     """`--zero 3 --dp-replicate R`: ZeRO-3 within each of R replicas, gradients averaged across them."""
 
+    title = "hybrid sharding"
+
     @classmethod
     def applies(cls, config):
         return config.zero == 3 and config.dp_replicate > 1

@@ -70,6 +70,7 @@ class PipelineSplit(Step):
     """
 
     axis = "pp"
+    title = "pipeline parallelism"
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):

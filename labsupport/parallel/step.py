@@ -21,6 +21,7 @@ class Step:
     """One way of splitting training, on one axis of the mesh. Override what the mechanism changes."""
 
     axis = ""  # the mesh axis it splits over: "pp", "tp", "cp", "dp", or "ep" (the dp ranks' expert groups)
+    title = ""  # what it is called in a refusal: "pipeline parallelism: ..."
 
     def __init__(self, mesh, config):
         self.mesh, self.config = mesh, config

@@ -385,6 +385,7 @@ class TensorParallelStep(Step):
     the group, and every rank scales all of them (or the replicas would drift apart)."""
 
     axis = "tp"
+    title = "tensor parallelism"
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):

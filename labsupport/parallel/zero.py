@@ -225,6 +225,7 @@ class ZeROStep(DataParallelStep):
     squares of this rank's pieces over the DP group: each element is owned by one rank."""
 
     zero_stages = (1, 2)
+    title = "ZeRO-1/2"
 
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
