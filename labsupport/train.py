@@ -110,7 +110,7 @@ def check_resume(checkpoint_dir, expected: dict) -> None:
     saved = checkpoint.layout(checkpoint_dir, step) if step is not None else None
     if saved is not None and saved != expected:
         def say(lay):
-            extra = "".join(f", {key} {lay[key]}" for key in ("chunks", "cp", "ep") if key in lay)
+            extra = "".join(f", {key} {lay[key]}" for key in ("chunks", "cp", "ep", "dp_replicate") if key in lay)
             return (f"{lay['strategy']} on {lay['world_size']} rank(s) (dp {lay['dp']}, tp {lay['tp']}, "
                     f"pp {lay['pp']}, zero {lay['zero']}{extra})")
         raise ValueError(f"the checkpoint at step {step} in {checkpoint_dir} was written by {say(saved)}, "

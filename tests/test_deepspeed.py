@@ -179,7 +179,7 @@ def test_ds_config_follows_deepspeed_keys_and_our_recipe():
 @pytest.mark.parametrize("args, message", [
     (["--zero", "0"], "strategy 'deepspeed' without ZeRO is DDP"),
     (["--zero", "2", "--bucket-mb", "1e-9"], "strategy 'deepspeed': DeepSpeed refuses the ds_config"),
-    (["--nproc", "1"], "strategy 'deepspeed' shards over data-parallel ranks"),
+    (["--nproc", "1"], "ZeRO-1/2: stage 1 shards over the data-parallel ranks, but this grid has --dp 1"),
     (["--dtype", "fp16", "--loss-scale", "1000"], "--loss-scale must be a power of two"),
 ])
 def test_bad_deepspeed_arguments_fail_before_start(args, message):

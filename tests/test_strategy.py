@@ -85,7 +85,7 @@ NANO = ModelConfig("nano", n_layers=2, hidden=64, heads=4, vocab=57, seq_len=64)
                                                "--strategy cp"]),
     (ParallelConfig.build(16, "3d", tp=2, pp=2, cp=2), 16, ["--cp 2 does not combine with --pp"]),  # a step refuses
     (ParallelConfig.build(2, "zero1", cp=2), 2, ["--cp 2 runs with --zero 0 only",
-                                                 "strategy 'zero1' shards over data-parallel ranks; on dp 1"]),
+                                                 "ZeRO-1/2: stage 1 shards over the data-parallel ranks, but this grid has --dp 1"]),
     # a reference declares what it splits: a degree it does not split is one line, the steps check the rest as if 1
     (ParallelConfig.build(4, "torch-ddp", tp=2), 4, ["strategy 'torch-ddp' splits over dp only, so --tp must be 1 (got 2)"]),
     (ParallelConfig.build(6, "torch-ddp", tp=3, pp=2, bucket_mb=0), 6,

@@ -162,8 +162,8 @@ def test_a_killed_run_resumes_bit_identically(tmp_path):
                                                                  "pipeline-parallel steps still reduce"),
     (["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "3"], "ZeRO-3 shards whole units over the DP group; it "
                                                                  "does not compose with --tp or --pp here"),
-    (["--nproc", "4", "--tp", "2", "--pp", "2", "--zero", "1"], "strategy '3d' shards over data-parallel ranks; on "
-                                                                 "dp 1 it would be a no-op"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--zero", "1"], "ZeRO-1/2: stage 1 shards over the data-parallel "
+                                                                 "ranks, but this grid has --dp 1"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's heads (4)"),
     (["--nproc", "8", "--tp", "2", "--pp", "4"], "--pp 4 x --chunks 1 = 4 pipeline chunks must divide the model's "
                                                  "2 layers"),

@@ -45,7 +45,7 @@ def runs():
     prefetch(("single", 1, (), NANO_10), *[("single", 1, single_extra, MOE) for _, _, single_extra, _ in EP_RUNS],
              *[(strategy, nproc, grid, NANO_10) for strategy, nproc, grid, _ in CP_RUNS],
              ("single", 1, ()), ("single", 1, CP_LOW_PRECISION["bf16"]),
-             *[("ddp", 2, ("--cp", "2", *dtype)) for dtype in CP_LOW_PRECISION.values()],
+             *[("cp", 2, ("--cp", "2", *dtype)) for dtype in CP_LOW_PRECISION.values()],
              *[("ddp", nproc, ("--ep", "2", *extra), MOE) for nproc, extra, _, _ in EP_RUNS])
 
 
@@ -78,7 +78,7 @@ def test_context_parallel_in_bf16_and_fp16_equals_single_within_the_dtypes_toler
     itself is 3.4e-2 off fp32's); fp16 1.1e-4 and 1.2e-3. bf16's norms, which test_zero leaves out, are
     held to 5e-2, four times the worst measured as test_fp16 sets NORM_RTOL: three bf16 roundings (2^-8),
     where a block lost from the ring's gradient sums would move the norm by far more."""
-    out = train("ddp", 2, "--cp", "2", *CP_LOW_PRECISION[dtype])
+    out = train("cp", 2, "--cp", "2", *CP_LOW_PRECISION[dtype])
     if dtype == "bf16":
         assert_same_as_single(out, single(*CP_LOW_PRECISION["bf16"]), loss_tol=None, loss_rtol=1e-2, norm_rtol=5e-2,
                               val_tol=None)

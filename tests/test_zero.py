@@ -252,7 +252,7 @@ def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says(ru
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "zero3", "--nproc", "1"], "strategy 'zero3' shards over data-parallel ranks; on dp 1 it would be a no-op"),
+    (["--strategy", "zero3", "--nproc", "1"], "ZeRO-3: stage 3 shards over the data-parallel ranks, but this grid has --dp 1"),
     (["--strategy", "zero1", "--nproc", "2", "--zero", "4"], "--zero must be 0, 1, 2 or 3, got 4"),
     (["--strategy", "zero2", "--nproc", "2", "--zero", "3"], "strategy 'zero2' is ZeRO stage 2, but --zero 3"),
     (["--strategy", "zero2", "--nproc", "4", "--tp", "2"], "ZeRO-2 frees the full gradients the tensor- and "
@@ -262,8 +262,8 @@ def test_each_stage_divides_its_model_states_by_n_and_talks_as_the_paper_says(ru
                                              "has --dp-replicate 1"),
     (["--strategy", "ddp", "--nproc", "4", "--dp-replicate", "2"], "--dp-replicate 2 replicates ZeRO-3's shard groups: "
                                                                    "give --zero 3"),
-    (["--strategy", "hsdp", "--nproc", "4", "--dp-replicate", "4"], "--dp-replicate 4 must divide --dp 4 into replicas "
-                                                                    "of 2 or more ranks"),
+    (["--strategy", "hsdp", "--nproc", "4", "--dp-replicate", "4"], "--dp-replicate 4 on --dp 4 leaves one rank per "
+                                                                    "replica"),
     (["--strategy", "torch-fsdp", "--nproc", "4", "--dp-replicate", "2"], "--dp-replicate must be 1 (got 2)"),
 ])
 def test_bad_zero_arguments_fail_before_start(args, message):

@@ -115,9 +115,9 @@ def test_reference_stages_and_defaults():
 
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "accelerate-fsdp", "--nproc", "2", "--zero", "1"], "strategy 'accelerate-fsdp' has no ZeRO-1"),
-    (["--strategy", "accelerate-fsdp", "--nproc", "1"], "strategy 'accelerate-fsdp' shards over data-parallel ranks"),
+    (["--strategy", "accelerate-fsdp", "--nproc", "1"], "ZeRO-3: stage 3 shards over the data-parallel ranks, but this grid has --dp 1"),
     (["--strategy", "torch-fsdp", "--nproc", "2", "--zero", "2"], "'torch-fsdp' is ZeRO stage 3, but --zero 2"),
-    (["--strategy", "torch-zero1", "--nproc", "1"], "strategy 'torch-zero1' shards over data-parallel ranks"),
+    (["--strategy", "torch-zero1", "--nproc", "1"], "ZeRO-1/2: stage 1 shards over the data-parallel ranks, but this grid has --dp 1"),
     (["--strategy", "accelerate-deepspeed", "--nproc", "2", "--zero", "0"], "'accelerate-deepspeed' needs ZeRO stage 1"),
 ])
 def test_bad_reference_arguments_fail_before_start(args, message):

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: the ordered actions each stage runs, for the executor and the widget.
 
 A schedule is one list of `Action`s per stage (pipeline rank). The executor in
-`labsupport.parallel.pipeline` runs each list top to bottom with real send/recv, and
+`labsupport.parallel.pipeline_schedule` runs each list top to bottom with real send/recv, and
 `labsupport.estimate.simulator` times the same lists, so the Gantt chart a learner sees is the
 order that runs.
 

@@ -90,9 +90,11 @@ class Parallel(Strategy):
 
     def parallelize(self, model):
         self.parts, self.steps = parallelize(model.to(self.rt.device), self.mesh, self.config, self.STEPS)
-        runners = [step.runner() for step in self.steps if step.runner() is not None]
+        runners = [runner for runner in (step.runner() for step in self.steps) if runner is not None]
+        if len(runners) > 1:
+            raise ValueError(f"{len(runners)} steps each bring a runner of the micro-batches; one may")
         self.runner = runners[0] if runners else PlainLoop()
-        return self.parts[0] if isinstance(self.runner, PlainLoop) else torch.nn.ModuleList(self.parts)
+        return torch.nn.ModuleList(self.parts) if runners else self.parts[0]
 
     def make_optimizer(self, model, lr, weight_decay):
         for step in self.steps:

@@ -63,13 +63,13 @@ class ParallelConfig:
     dp_replicate: int = 1            # zero3: replicas of dp / dp_replicate ranks each, sharding inside (HSDP)
 
     def __post_init__(self):
-        """`zeroK` *is* ZeRO stage K: a config naming it without --zero records stage K (in the
-        checkpoint layout too). --zero itself is for strategies that combine ZeRO with more (3d)."""
+        """--zero not given is the name's stage: `zeroK` *is* ZeRO stage K (so the checkpoint layout
+        records K), a name that leaves --zero free its default. A --zero given stays as given (a
+        stage the name contradicts is refused by `problems`)."""
         entry = STRATEGIES.get(self.strategy)
         if self.zero is None:
-            object.__setattr__(self, "zero", entry.default_zero if entry is not None else 0)
-        if entry is not None and entry.zero and self.zero == 0:
-            object.__setattr__(self, "zero", entry.zero)
+            fixed = entry.zero if entry is not None else None
+            object.__setattr__(self, "zero", fixed if fixed is not None else entry.default_zero if entry else 0)
 
     @classmethod
     def build(cls, world_size: int, strategy: str = "single", dp: int | None = None, tp: int = 1, pp: int = 1,
@@ -142,8 +142,10 @@ class ParallelConfig:
             if not out and getattr(self, axis) == 1:
                 line = (f"strategy {self.strategy!r} is {AXIS_WORDS[axis]}, but this grid has {flag(axis)} 1 "
                         f"({self._grid()} on {world_size} rank{'s' * (world_size != 1)})")
-                runs = [a for a in DEGREES if getattr(self, a) > 1]
-                if runs and self.zero == 0:  # a name of ours for what does run
+                runs = [a for a in AXES if getattr(self, a) > 1]
+                if axis == "dp_replicate":
+                    line += ": give --dp-replicate R, R replicas of dp / R ranks each"
+                elif runs and self.zero == 0:  # a name of ours for what does run
                     line += f"; name what runs: --strategy {({'dp': 'ddp'}.get(runs[0], runs[0]) if len(runs) == 1 else '3d')}"
                 out.append(line)
         return out
@@ -156,8 +158,9 @@ class ParallelConfig:
             return [f"strategy {self.strategy!r} does not shard with ZeRO, so --zero {self.zero} would be ignored; "
                     f"use --strategy zero{self.zero}, or leave --zero out"]
         if entry.zero is not None and self.zero != entry.zero:
+            other = f"zero{self.zero}" if self.zero else "ddp"
             return [f"strategy {self.strategy!r} is ZeRO stage {entry.zero}, but --zero {self.zero} was given; "
-                    f"leave --zero out or use --strategy zero{self.zero}"]
+                    f"leave --zero out or use --strategy {other}"]
         return []
 
     def check(self, world_size: int, model=None, global_batch: int | None = None,

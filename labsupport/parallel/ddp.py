@@ -397,9 +397,9 @@ class DataParallelStep(Step):
     def shard_problems(cls, config) -> list[str]:
         """A flavour that shards (ZeRO, any stage) needs data-parallel ranks to shard over."""
         if config.zero in cls.zero_stages and config.zero and config.dp < 2:
-            return [f"strategy {config.strategy!r} shards over data-parallel ranks; on dp {config.dp} it would be a "
-                    "no-op (each rank owning everything is 'single'): give it --dp 2 or more (more ranks, or lower "
-                    "--tp, --pp or --cp)"]
+            return [f"stage {config.zero} shards over the data-parallel ranks, but this grid has --dp {config.dp} "
+                    "(one rank owning everything is no sharding): give it --dp 2 or more (more ranks, or lower --tp, "
+                    "--pp or --cp)"]
         return []
 
     def apply(self, parts, shared, owned):

@@ -12,7 +12,9 @@ for a whole model. Memory per rank is ZeRO-3's over dp / R ranks instead of dp (
 
 The step is ZeRO-3's (`FullyShardStep`, fsdp.py) on the shard group, plus the replicas' average:
 the gradient norm sums the shards' squares over the shard group only (a replica holds the same
-shards, counted once), and the loss is averaged over all dp ranks as before.
+shards, counted once), and the loss is averaged over all dp ranks as before. The average across
+replicas is one message after backward; FSDP and FSDP2 all-reduce each unit's shard across the
+replicas right after its reduce-scatter, so that traffic hides behind the rest of backward.
 """
 from __future__ import annotations
 
@@ -40,14 +42,28 @@ class HybridShardStep(FullyShardStep):
             return []
         if config.zero != 3:
             return [f"--dp-replicate {r} replicates ZeRO-3's shard groups: give --zero 3 (or --strategy hsdp)"]
-        if dp % r or dp == r:
-            return [f"--dp-replicate {r} must divide --dp {dp} into replicas of 2 or more ranks each (a replica of "
-                    "one rank shards nothing: that is DDP, --zero 0)"]
+        if dp % r:
+            return [f"--dp-replicate {r} must divide --dp {dp}: each replica is dp / R ranks"]
+        if dp == r:
+            return [f"--dp-replicate {r} on --dp {dp} leaves one rank per replica, which shards nothing (that is DDP, "
+                    "--zero 0): give each replica 2 ranks or more"]
         return []
 
     def __init__(self, mesh, config):
         super().__init__(mesh, config)
         self.shard_group, self.replicas = mesh.split_dp(config.dp // config.dp_replicate, ("dp_shard", "dp_replicate"))
+
+    def apply(self, parts, shared, owned):
+        """ZeRO-3 on the shard group; then every replica takes the first replica's shards (as FSDP's
+        `sync_module_states` does across the replicate group), so replicas start equal whatever the seed."""
+        parts = super().apply(parts, shared, owned)
+        shards = list(self.handle.module.parameters())
+        with torch.no_grad():
+            flat = torch.cat([p.reshape(-1) for p in shards])
+            comm.broadcast(flat, comm.global_rank(self.replicas, 0), group=self.replicas)
+            for p, piece in zip(shards, flat.split([p.numel() for p in shards])):
+                p.copy_(piece.view_as(p))
+        return parts
 
     def finish_backward(self):
         """The shard group's reduce-scatter is done; average each shard over the replicas in one message."""

@@ -3,14 +3,14 @@
 A new parallelism is a subclass in a file of its own that overrides the hooks its mechanism
 changes; every default below does nothing, so the step is invisible where it is not needed.
 
-The micro-batches of a step are run by a *runner*: the plain loop below (each micro-batch forward,
-then backward), unless a step brings its own (`Step.runner`: the pipeline's schedule, which
-pipeline_schedule.py executes). Both answer the same three calls: `forward_backward`, `forward`
-(validation and sampling) and `share_logits`.
+The micro-batches of a step are run by a *runner* (`Runner` below): the plain loop (each
+micro-batch forward, then backward), unless a step brings its own (`Step.runner`: the pipeline's
+schedule, which pipeline_schedule.py executes).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
@@ -66,7 +66,7 @@ class Step:
         """This rank's share of a micro-batch's tokens and targets (context parallelism: its positions)."""
         return x, y
 
-    def runner(self):
+    def runner(self) -> "Runner | None":
         """What drives a step's micro-batches forward and backward, where the step changes how they
         run (a pipeline's schedule; it also runs forward alone). None: the plain loop, `PlainLoop`."""
         return None
@@ -95,6 +95,22 @@ class Step:
 
     def close(self) -> None:
         """Remove what the step put on the model (hooks)."""
+
+
+class Runner(Protocol):
+    """What drives a step's micro-batches: the one role the composition gives a single step."""
+
+    events: list          # the last step's actions, (start_s, end_s, op, microbatch, chunk); [] if none
+    events_origin: float  # when that step began, on `time.perf_counter()`
+
+    def forward_backward(self, parts, batches, loss_fn, no_sync, autocast=None, scale_loss=None):
+        """Forward and backward of `batches` on this rank's chunks: the mean loss, None where none is computed."""
+
+    def forward(self, parts, idx):
+        """Forward alone (validation, sampling): the logits, None on a rank that computes none."""
+
+    def share_logits(self, out, idx):
+        """Every rank the logits (a pipeline's first stages have none)."""
 
 
 class PlainLoop:
