@@ -182,7 +182,7 @@ def train(args, rt, cfg: ModelConfig | None = None, config: ParallelConfig | Non
     steps = f"steps {start_step + 1} to {args.steps}" if start_step else _count(args.steps, "step")
     axes = [f"{name} {n}" for name, n in (("tp", config.tp), ("pp", config.pp), ("cp", config.cp)) if n > 1]
     grid = f" (dp {config.dp} x {' x '.join(axes)})" if axes else ""   # where the ranks beyond dp went
-    experts = f", ep {config.ep}" if config.ep > 1 else ""
+    experts = f" (dp {config.dp}, experts over ep {config.ep})" if config.ep > 1 else ""  # ep borrows the dp ranks
     rt.print(f"training {cfg.name} ({count_params(cfg):,} parameters): {args.strategy} on "
              f"{_count(rt.world_size, 'rank')}{grid}{experts}, {steps}")
     # With a pipeline the micro-batches of a step flow through the stages together (m), not one after another
