@@ -6,6 +6,13 @@ route and filter it) and is teed to `rank{k}.log`; an exception's traceback (fro
 code down) and the exit code are written to the run directory; faulthandler dumps the stack
 on SIGUSR1 (the launcher asks a hung rank where it waits) and on a native crash. The rank
 also dies with its parent, so a killed torchrun leaves no orphans.
+
+`launch()` has torchrun *fork* the ranks from its agent, which imported torch already (torchrun's
+own `--start-method fork --run-path rank.py`): a fresh interpreter per rank would import torch again,
+about 2 s of CPU each, more than a tiny model's whole run. A forked rank starts from the agent's
+state, so it first takes back what a fresh process has (the default signal handlers, no exit
+handlers of the agent's) and ends by returning to torchrun, which ends the process without the
+interpreter's teardown. `python -m labsupport.rank` in a fresh interpreter runs the same code.
 """
 from __future__ import annotations
 
@@ -68,8 +75,27 @@ def _user_traceback(e: BaseException) -> str:
             + "".join(traceback.format_exception_only(type(e), e)))
 
 
+def _forked() -> bool:
+    """True in a rank torchrun forked from its agent (multiprocessing's child), False in a fresh interpreter."""
+    import multiprocessing
+    return multiprocessing.parent_process() is not None
+
+
+def _as_a_fresh_process() -> None:
+    """Undo what a fork inherits from torchrun's agent: its handlers that turn SIGTERM, SIGINT, SIGHUP
+    and SIGQUIT into an exception (a rank stops on them, as a fresh process does) and its exit handlers."""
+    import atexit
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()
+
+
 def _rank_main(argv: list[str]) -> int:
     import runpy
+    forked = _forked()
+    if forked:
+        _as_a_fresh_process()
     rank = int(os.environ.get("RANK", 0))
     run_dir = Path(os.environ.get("LABSUPPORT_RUN_DIR", "."))
     die_with_parent(signal.SIGKILL)
@@ -84,7 +110,7 @@ def _rank_main(argv: list[str]) -> int:
     try:
         if argv[0] == "-m":
             if argv[1].startswith("labsupport."):  # it ends with leave_now, before any teardown
-                from . import runtime
+                from labsupport import runtime
                 runtime.LEAVES_WITHOUT_TEARDOWN = True
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -105,24 +131,32 @@ def _rank_main(argv: list[str]) -> int:
              "traceback": tb}))
     out.close_pending()
     (run_dir / f"exit-rank{rank}").write_text(str(code))
-    if code == 0 and argv[0] == "-m" and argv[1].startswith("labsupport."):
+    if forked:  # torchrun's child ends with os._exit once it returns: what an exit owes happens here
+        import gc
+        gc.collect()  # a file the script left open is flushed and closed
+        finish([log, stack_file])
+    elif code == 0 and argv[0] == "-m" and argv[1].startswith("labsupport."):
         leave_now([log, stack_file])
     return code
 
 
-def leave_now(files) -> None:
-    """End a rank that ran one of this package's own entry points (`labsupport.train`, ...), skipping
-    the interpreter's teardown: unloading torch's thousands of modules takes half a second of CPU
-    per rank, paid again by every rank of every launch, and the ranks share a laptop's few cores.
-    What an exit owes the world still happens: the atexit handlers run (logging, multiprocessing's
-    children) and every file is flushed and closed. Our entry points close what they open and start
-    no threads; a user's script, which may leave a buffered file open, exits the ordinary way."""
+def finish(files) -> None:
+    """The atexit handlers run, every file flushed and closed: what an exit owes the world."""
     import atexit
     atexit._run_exitfuncs()
     for f in (*files, sys.__stdout__, sys.__stderr__):
         f.flush()
     for f in files:
         f.close()
+
+
+def leave_now(files) -> None:
+    """End a rank that ran one of this package's own entry points (`labsupport.train`, ...), skipping
+    the interpreter's teardown: unloading torch's thousands of modules takes half a second of CPU
+    per rank, paid again by every rank of every launch, and the ranks share a laptop's few cores.
+    What an exit owes the world still happens (`finish`). Our entry points close what they open and
+    start no threads; a user's script, which may leave a buffered file open, exits the ordinary way."""
+    finish(files)
     os._exit(0)
 
 

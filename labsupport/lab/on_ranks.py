@@ -17,7 +17,7 @@ from ..launch import LaunchError, launch
 from .exercise import wrap
 
 # A check's limit is for the ranks' work. Through a fresh launch it counts from the moment every rank
-# is up (launch's timeout does): importing torch and meeting take a few seconds on an idle laptop and
+# is up (launch's timeout does): torchrun importing torch and the ranks meeting take a few seconds on an idle laptop and
 # over 10 on CI's two loaded cores, and get launch's own allowance (STARTUP_TIMEOUT_S).
 CHECK_TIMEOUT_S = 60
 # What an exercise cell may use without importing it, on the ranks as in the notebook.
