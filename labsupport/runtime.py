@@ -34,6 +34,21 @@ LAUNCHER_ENVS = {
 }
 
 
+# What a rank must import before its process group exists, see _destroy_world below: these modules'
+# functions take `group=group.WORLD` as a default argument, evaluated once at import. torch imports
+# them lazily (the first optimizer imports torch._dynamo, which imports FSDP, which imports
+# torch.distributed.nn.functional): after init_process_group, that would pin the world group for good.
+# torch.distributed.optim (ZeroRedundancyOptimizer, for torch-zero1) does the same.
+BEFORE_THE_GROUP = ("torch.distributed.nn.functional", "torch.distributed.optim")
+
+
+def import_before_the_group() -> None:
+    """Import BEFORE_THE_GROUP (~0.5 s of CPU, more alone). torchrun's agent does it once before it
+    forks the ranks (labsupport.agent), so that a forked rank finds them imported."""
+    for name in BEFORE_THE_GROUP:
+        importlib.import_module(name)
+
+
 @dataclass
 class RankInfo:
     rank: int = 0
@@ -165,13 +180,7 @@ class Runtime:
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
             if is_loopback(os.environ["MASTER_ADDR"]):
                 kwargs["store"] = _stay_on_loopback(self.rank, self.world_size, self.timeout_s, self.listener)
-            # Before the group exists, see _destroy_world below: this module's functions take
-            # `group=group.WORLD` as a default argument, evaluated once at import. torch imports
-            # it lazily (the first optimizer imports torch._dynamo, which imports FSDP, which
-            # imports it): after init_process_group, it would pin the world group for good.
-            # torch.distributed.optim (ZeroRedundancyOptimizer, for torch-zero1) does the same.
-            importlib.import_module("torch.distributed.nn.functional")
-            importlib.import_module("torch.distributed.optim")
+            import_before_the_group()
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
         seed_everything(self.seed)
