@@ -1,27 +1,48 @@
 """torchrun's agent (`torch.distributed.run`), ending the way a labsupport rank does.
 
 `python -m labsupport.agent ARGS` is `python -m torch.distributed.run ARGS`: the same agent with the
-same options, which starts, watches and stops the ranks. Three things differ. It imports once what
-every rank would import (what `runtime.init` imports before the group forms, and torch._dynamo, which
-the first optimizer imports: ~1.5 s of CPU together): `launch()` has it fork the ranks, which then find
-it imported. Its store, when it serves
-on a loopback address (a single-node launch), listens on that address only (`runtime.tcp_store`),
-where torch's static rendezvous would listen on every interface. And once every rank succeeded it
-leaves without the interpreter's teardown of torch (`rank.leave_now`), half a second of every
-launch; a failure exits the ordinary way, with torchrun's own report.
+same options, which starts, watches and stops the ranks. Three things differ.
+
+Where it is safe, it forks the ranks from itself instead of starting a fresh interpreter for each:
+torchrun's own `--start-method fork --run-path rank.py` in place of `-m labsupport.rank`. Importing
+torch costs ~2 s of CPU per process, more than a tiny model's whole run on a laptop's two cores, and
+a forked rank finds torch imported, and what every rank imports next (what `runtime.init` imports
+before the group forms, and torch._dynamo, which the first optimizer imports: ~1.5 s more), which the
+agent imports once before it forks. Safe means Linux and a torch built without CUDA: on a GPU node
+torchrun's own start-up initializes CUDA in the agent (`torch.cuda.is_available()`), and a rank forked
+after that cannot use the GPU, so there every rank is a fresh interpreter, as under a plain torchrun.
+
+Its store, when it serves on a loopback address (a single-node launch), listens on that address
+only (`runtime.tcp_store`), where torch's static rendezvous would listen on every interface. And once
+every rank succeeded it leaves without the interpreter's teardown of torch (`rank.leave_now`), half a
+second of every launch; a failure exits the ordinary way, with torchrun's own report.
 
 `python -m labsupport.agent accelerate ARGS` is `accelerate launch ARGS`: for an FSDP or DeepSpeed
 config file on one machine, Accelerate puts the file's settings in the environment and runs the same
-agent in this process (static rendezvous), so both differences hold there too.
+agent in this process (static rendezvous), so the last two differences hold there too.
 """
 import importlib
 import sys
 
+import torch
 from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 from torch.distributed.run import main
 
-from .rank import leave_now
+from . import rank
 from .runtime import import_before_the_group, tcp_store
+
+RANK_MODULE = ["-m", "labsupport.rank"]  # how launch() names the rank wrapper to torchrun
+
+
+def forking(argv: list[str]) -> list[str]:
+    """`argv` with the rank wrapper run in ranks forked from this process, where that is safe (above)."""
+    at = next((i for i in range(len(argv) - 1) if argv[i:i + 2] == RANK_MODULE), None)
+    if at is None or sys.platform != "linux" or torch.backends.cuda.is_built():
+        return argv
+    import_before_the_group()
+    importlib.import_module("torch._dynamo")
+    return [*argv[:at], "--start-method=fork", "--run-path", rank.__file__, *argv[at + 2:]]
+
 
 if __name__ == "__main__":
     static_tcp_rendezvous.TCPStore = tcp_store
@@ -30,7 +51,5 @@ if __name__ == "__main__":
         from accelerate.commands.launch import main as accelerate_launch
         accelerate_launch()
     else:
-        import_before_the_group()
-        importlib.import_module("torch._dynamo")
-        main()
-    leave_now([])
+        main(forking(sys.argv[1:]))
+    rank.leave_now([])

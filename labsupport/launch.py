@@ -273,21 +273,19 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     out = out or sys.stdout
     shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
 
-    from . import rank  # imported here: `python -m labsupport.rank` must find it unloaded
-    from .rank import die_with_parent
+    from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
     from .runtime import threads_per_rank
     port = free_port()
     if accelerate_config is None:
         agent = ["--nnodes=1", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                 "--max-restarts=0", "--monitor-interval=0.1", "--start-method=fork", "--run-path"]
+                 "--max-restarts=0", "--monitor-interval=0.1", "-m"]
     else:
         if not Path(accelerate_config).is_file():
             raise LaunchError(f"accelerate config not found: {accelerate_config}")
         agent = ["accelerate", "--config_file", str(accelerate_config), "--num_processes", str(nproc),
                  "--num_machines", "1", "--main_process_port", str(port), "--max_restarts", "0",
                  "--monitor_interval", "0.1", "--module"]
-    wrapper = ["labsupport.rank"] if accelerate_config is not None else [rank.__file__]  # forked: rank.py
-    cmd = [sys.executable, "-m", "labsupport.agent", *agent, *wrapper, *target, *map(str, args)]
+    cmd = [sys.executable, "-m", "labsupport.agent", *agent, "labsupport.rank", *target, *map(str, args)]
     child_env = {**os.environ, **(env or {}),
                  "LABSUPPORT_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", UP_ENV: "1",
                  "OMP_NUM_THREADS": str(threads_per_rank(nproc)),

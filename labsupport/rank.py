@@ -7,12 +7,11 @@ code down) and the exit code are written to the run directory; faulthandler dump
 on SIGUSR1 (the launcher asks a hung rank where it waits) and on a native crash. The rank
 also dies with its parent, so a killed torchrun leaves no orphans.
 
-`launch()` has torchrun *fork* the ranks from its agent, which imported torch already (torchrun's
-own `--start-method fork --run-path rank.py`): a fresh interpreter per rank would import torch again,
-about 2 s of CPU each, more than a tiny model's whole run. A forked rank starts from the agent's
-state, so it first takes back what a fresh process has (the default signal handlers, no exit
-handlers of the agent's) and ends by returning to torchrun, which ends the process without the
-interpreter's teardown. `python -m labsupport.rank` in a fresh interpreter runs the same code.
+Where it is safe (labsupport/agent.py says when), torchrun's agent *forks* the ranks from itself,
+which imported torch already (torchrun's own `--start-method fork --run-path rank.py`). A forked rank
+starts from the agent's state, so it first takes back what a fresh process has (the default signal
+handlers, none of the agent's exit handlers) and ends by returning to torchrun, which ends the process
+without the interpreter's teardown. `python -m labsupport.rank` in a fresh interpreter runs the same code.
 """
 from __future__ import annotations
 

@@ -62,6 +62,52 @@ def test_two_ranks_run_stream_and_report(tmp_path):
     assert processes_of(res.run_dir) == []
 
 
+# Records how the rank started and leaves what an ordinary exit owes: an atexit handler's file, and a
+# buffered file it never closes.
+FORKED = """
+    import atexit, multiprocessing, signal, sys
+    from labsupport import init, report
+    started = {"forked": multiprocessing.parent_process() is not None, "torch_imported": "torch" in sys.modules,
+               "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+               "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+    with init() as rt:
+        atexit.register(lambda: open(f"atexit-{rt.rank}", "w").write("ran"))
+        left_open = open(f"open-{rt.rank}", "w")
+        left_open.write("flushed")
+        report(**started)
+"""
+
+
+def test_ranks_are_forked_from_torchruns_agent_where_safe_and_exit_as_fresh_ones_do(tmp_path, monkeypatch):
+    """Linux and a torch without CUDA: torchrun forks the ranks (torch imported already), each with a fresh
+    process's signal handlers; a user's exit handlers run and a file it left open is flushed."""
+    import torch
+    forks = sys.platform == "linux" and not torch.backends.cuda.is_built()
+    monkeypatch.chdir(tmp_path)
+    res = launch(script(tmp_path, FORKED), nproc=2, run_dir=tmp_path / "run", out=io.StringIO())
+    for rank in range(2):
+        assert res.report(rank) == {"forked": forks, "torch_imported": forks, "sigterm_default": True,
+                                    "sigint_raises": True}
+        assert (tmp_path / f"atexit-{rank}").read_text() == "ran"
+        assert (tmp_path / f"open-{rank}").read_text() == "flushed"
+
+
+def test_the_agent_forks_only_where_a_rank_can_still_use_its_device(monkeypatch):
+    """A torch built with CUDA keeps torchrun's fresh interpreters: torchrun's start-up initializes CUDA
+    in the agent, and a rank forked after it could not use the GPU."""
+    import torch
+    from labsupport import agent, rank
+    argv = ["--nnodes=1", "--nproc-per-node=2", "-m", "labsupport.rank", "-m", "labsupport.loop"]
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    assert agent.forking(argv) == argv
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert agent.forking(argv) == ["--nnodes=1", "--nproc-per-node=2", "--start-method=fork", "--run-path",
+                                   rank.__file__, "-m", "labsupport.loop"]
+    monkeypatch.setattr(sys, "platform", "darwin")  # macOS: fork after torch is unsafe there
+    assert agent.forking(argv) == argv
+
+
 def test_only_rank0_output_on_request(tmp_path):
     out = io.StringIO()
     launch(script(tmp_path, OK), nproc=3, ranks="0", run_dir=tmp_path / "run", out=out)
