@@ -8,7 +8,9 @@ torchrun's own `--start-method fork --run-path rank.py` in place of `-m labsuppo
 torch costs ~2 s of CPU per process, more than a tiny model's whole run on a laptop's two cores, and
 a forked rank finds torch imported, and what every rank imports next (what `runtime.init` imports
 before the group forms, and torch._dynamo, which the first optimizer imports: ~1.5 s more), which the
-agent imports once before it forks. Safe means Linux and a torch built without CUDA: on a GPU node
+agent imports once before it forks, then freezes (`gc.freeze()`, as Python's documentation advises before
+a fork: a rank's garbage collections then never walk, nor copy, the pages it inherited). Safe means
+Linux and a torch built without CUDA: on a GPU node
 torchrun's own start-up initializes CUDA in the agent (`torch.cuda.is_available()`), and a rank forked
 after that cannot use the GPU, so there every rank is a fresh interpreter, as under a plain torchrun.
 
@@ -21,6 +23,7 @@ second of every launch; a failure exits the ordinary way, with torchrun's own re
 config file on one machine, Accelerate puts the file's settings in the environment and runs the same
 agent in this process (static rendezvous), so the last two differences hold there too.
 """
+import gc
 import importlib
 import sys
 
@@ -34,13 +37,16 @@ from .runtime import import_before_the_group, tcp_store
 RANK_MODULE = ["-m", "labsupport.rank"]  # how launch() names the rank wrapper to torchrun
 
 
+def forks() -> bool:
+    """Whether ranks may be forked from this process (above): Linux, and a torch built without CUDA."""
+    return sys.platform == "linux" and not torch.backends.cuda.is_built()
+
+
 def forking(argv: list[str]) -> list[str]:
-    """`argv` with the rank wrapper run in ranks forked from this process, where that is safe (above)."""
+    """`argv` with the rank wrapper run in ranks forked from this process, in place of `-m labsupport.rank`."""
     at = next((i for i in range(len(argv) - 1) if argv[i:i + 2] == RANK_MODULE), None)
-    if at is None or sys.platform != "linux" or torch.backends.cuda.is_built():
+    if at is None:
         return argv
-    import_before_the_group()
-    importlib.import_module("torch._dynamo")
     return [*argv[:at], "--start-method=fork", "--run-path", rank.__file__, *argv[at + 2:]]
 
 
@@ -51,5 +57,11 @@ if __name__ == "__main__":
         from accelerate.commands.launch import main as accelerate_launch
         accelerate_launch()
     else:
-        main(forking(sys.argv[1:]))
+        argv = sys.argv[1:]
+        if forks():
+            argv = forking(argv)
+            import_before_the_group()
+            importlib.import_module("torch._dynamo")
+            gc.freeze()  # the ranks' collections skip what they inherit: no pass over it, no page copied
+        main(argv)
     rank.leave_now([])

@@ -94,18 +94,19 @@ def test_ranks_are_forked_from_torchruns_agent_where_safe_and_exit_as_fresh_ones
 
 def test_the_agent_forks_only_where_a_rank_can_still_use_its_device(monkeypatch):
     """A torch built with CUDA keeps torchrun's fresh interpreters: torchrun's start-up initializes CUDA
-    in the agent, and a rank forked after it could not use the GPU."""
+    in the agent, and a rank forked after it could not use the GPU. macOS keeps them too."""
     import torch
     from labsupport import agent, rank
-    argv = ["--nnodes=1", "--nproc-per-node=2", "-m", "labsupport.rank", "-m", "labsupport.loop"]
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
-    assert agent.forking(argv) == argv
+    assert not agent.forks()
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert agent.forks()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert not agent.forks()
+    argv = ["--nnodes=1", "--nproc-per-node=2", "-m", "labsupport.rank", "-m", "labsupport.loop"]
     assert agent.forking(argv) == ["--nnodes=1", "--nproc-per-node=2", "--start-method=fork", "--run-path",
                                    rank.__file__, "-m", "labsupport.loop"]
-    monkeypatch.setattr(sys, "platform", "darwin")  # macOS: fork after torch is unsafe there
-    assert agent.forking(argv) == argv
 
 
 def test_only_rank0_output_on_request(tmp_path):
