@@ -5,14 +5,15 @@ same options, which starts, watches and stops the ranks. Three things differ.
 
 Where it is safe, it forks the ranks from itself instead of starting a fresh interpreter for each:
 torchrun's own `--start-method fork --run-path rank.py` in place of `-m labsupport.rank`. Importing
-torch costs ~2 s of CPU per process, more than a tiny model's whole run on a laptop's two cores, and
-a forked rank finds torch imported, and what every rank imports next (what `runtime.init` imports
-before the group forms, and torch._dynamo, which the first optimizer imports: ~1.5 s more), which the
-agent imports once before it forks, then freezes (`gc.freeze()`, as Python's documentation advises before
-a fork: a rank's garbage collections then never walk, nor copy, the pages it inherited). Safe means
-Linux and a torch built without CUDA: on a GPU node
-torchrun's own start-up initializes CUDA in the agent (`torch.cuda.is_available()`), and a rank forked
-after that cannot use the GPU, so there every rank is a fresh interpreter, as under a plain torchrun.
+torch costs ~2 s of CPU per process, more than a tiny model's whole run on a laptop's two cores. A
+forked rank finds torch imported, and what every rank imports next (what `runtime.init` imports before
+the group forms, and torch._dynamo, which the first optimizer imports: ~1.5 s more), which the agent
+imports once. Right before each fork it freezes its objects (`gc.freeze()`, as Python's documentation
+advises): a rank's garbage collections then never walk, nor copy, the pages it inherited.
+
+Safe means Linux and a torch built without CUDA or ROCm: on a GPU node torchrun's own start-up
+initializes CUDA in the agent (`torch.cuda.is_available()` in `LaunchConfig`, torch 2.13), and a rank
+forked after that cannot use the GPU, so there every rank is a fresh interpreter, as under a plain torchrun.
 
 Its store, when it serves on a loopback address (a single-node launch), listens on that address
 only (`runtime.tcp_store`), where torch's static rendezvous would listen on every interface. And once
@@ -25,6 +26,7 @@ agent in this process (static rendezvous), so the last two differences hold ther
 """
 import gc
 import importlib
+import os
 import sys
 
 import torch
@@ -38,8 +40,8 @@ RANK_MODULE = ["-m", "labsupport.rank"]  # how launch() names the rank wrapper t
 
 
 def forks() -> bool:
-    """Whether ranks may be forked from this process (above): Linux, and a torch built without CUDA."""
-    return sys.platform == "linux" and not torch.backends.cuda.is_built()
+    """Whether ranks may be forked from this process (above): Linux, and a torch built without CUDA or ROCm."""
+    return sys.platform == "linux" and not torch.backends.cuda.is_built() and torch.version.hip is None
 
 
 def forking(argv: list[str]) -> list[str]:
@@ -58,10 +60,10 @@ if __name__ == "__main__":
         accelerate_launch()
     else:
         argv = sys.argv[1:]
-        if forks():
+        if forks() and forking(argv) != argv:
             argv = forking(argv)
             import_before_the_group()
             importlib.import_module("torch._dynamo")
-            gc.freeze()  # the ranks' collections skip what they inherit: no pass over it, no page copied
+            os.register_at_fork(before=gc.freeze)  # a rank's collections skip what it inherits: no pass, no page copied
         main(argv)
     rank.leave_now([])

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -80,21 +81,48 @@ def _forked() -> bool:
     return multiprocessing.parent_process() is not None
 
 
-def _as_a_fresh_process() -> None:
-    """Undo what a fork inherits from torchrun's agent: its handlers that turn SIGTERM, SIGINT, SIGHUP
-    and SIGQUIT into an exception (a rank stops on them, as a fresh process does) and its exit handlers."""
+def _as_a_fresh_process():
+    """Undo what a fork inherits from torchrun's agent, so that the rank starts as a fresh process would:
+    - torchrun's handlers that turn signals (SIGTERM, SIGINT, SIGHUP, SIGQUIT, and any named in
+      TORCHELASTIC_SIGNALS_TO_HANDLE) into an exception: a rank stops on them, or gets KeyboardInterrupt;
+    - the agent's exit handlers and finalizers (one removes the agent's temporary directory): not the rank's
+      to run; the rank's own still run, logging's shutdown among them;
+    - the agent's random state: unseeded draws differ between ranks, as between fresh processes;
+    - `os._exit`, while the rank's code runs: a forked rank must return to torchrun, which waits for its
+      result, so in the main thread it exits through SystemExit (`os._exit(0)` would leave torchrun
+      waiting for good). Returns the real one, which the rank puts back when its code is done: the
+      fork's own end calls it."""
     import atexit
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import logging
+    import weakref
+
+    import torch
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if getattr(handler, "__module__", "").startswith("torch.distributed.elastic"):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
     atexit._clear()
+    weakref.finalize._registered_with_atexit = False  # the rank's own finalizers register it again
+    atexit.register(logging.shutdown)
+    torch.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    real_exit = os._exit
+
+    def _exit(code):
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(code)
+        real_exit(code)
+    os._exit = _exit
+    return real_exit
 
 
 def _rank_main(argv: list[str]) -> int:
     import runpy
     forked = _forked()
-    if forked:
-        _as_a_fresh_process()
+    real_exit = _as_a_fresh_process() if forked else os._exit
     rank = int(os.environ.get("RANK", 0))
     run_dir = Path(os.environ.get("LABSUPPORT_RUN_DIR", "."))
     die_with_parent(signal.SIGKILL)
@@ -128,21 +156,28 @@ def _rank_main(argv: list[str]) -> int:
         (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}".splitlines()[0],
              "traceback": tb}))
+    os._exit = real_exit
     out.close_pending()
     (run_dir / f"exit-rank{rank}").write_text(str(code))
     if forked:  # torchrun's child ends with os._exit once it returns: what an exit owes happens here
-        import gc
-        gc.collect()  # a file the script left open is flushed and closed
-        finish([log, stack_file])
+        finish([log, stack_file], collect=True)
     elif code == 0 and argv[0] == "-m" and argv[1].startswith("labsupport."):
         leave_now([log, stack_file])
     return code
 
 
-def finish(files) -> None:
-    """The atexit handlers run, every file flushed and closed: what an exit owes the world."""
+def finish(files, collect: bool = False) -> None:
+    """What an exit owes the world: the atexit handlers run, then (`collect`) what the code left behind is
+    collected (a file it never closed is flushed), then this wrapper's own files are flushed and closed."""
     import atexit
+    import gc
     atexit._run_exitfuncs()
+    if collect:  # after the handlers, dropped: one the script registered keeps its globals alive until then
+        atexit._clear()
+        gc.collect()
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    faulthandler.unregister(signal.SIGUSR1)
+    faulthandler.disable()
     for f in (*files, sys.__stdout__, sys.__stderr__):
         f.flush()
     for f in files:

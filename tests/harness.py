@@ -118,8 +118,8 @@ BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d",
 
 def prefetch(*requests) -> None:
     """Train the configurations `(strategy, nproc, args[, settings])` ahead, one launch per world size:
-    its ranks train each configuration in turn (BATCH), saving a launch's start (torchrun's agent
-    importing torch, the ranks forming their group) per configuration; `train` then answers from
+    its ranks train each configuration in turn (BATCH), saving a launch's start (processes importing
+    torch, the ranks forming their group) per configuration; `train` then answers from
     them. The loop reseeds and builds everything per run, so a run gives what its own launch gives.
     Only our strategies are batched; a batch that fails leaves its configurations to `train` one by
     one, whose launch then says what failed."""

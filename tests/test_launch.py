@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from labsupport import agent
 from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, crashed_ranks, failure_message,
                                launch, torchrun_magic)
 from labsupport.rundir import display_path
@@ -66,10 +67,13 @@ def test_two_ranks_run_stream_and_report(tmp_path):
 # buffered file it never closes.
 FORKED = """
     import atexit, multiprocessing, signal, sys
+    torch_imported = "torch" in sys.modules
+    import torch
     from labsupport import init, report
-    started = {"forked": multiprocessing.parent_process() is not None, "torch_imported": "torch" in sys.modules,
+    started = {"forked": multiprocessing.parent_process() is not None, "torch_imported": torch_imported,
                "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-               "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+               "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+               "unseeded_draw": torch.rand(1).item()}
     with init() as rt:
         atexit.register(lambda: open(f"atexit-{rt.rank}", "w").write("ran"))
         left_open = open(f"open-{rt.rank}", "w")
@@ -82,21 +86,39 @@ def test_ranks_are_forked_from_torchruns_agent_where_safe_and_exit_as_fresh_ones
     """Linux and a torch without CUDA: torchrun forks the ranks (torch imported already), each with a fresh
     process's signal handlers; a user's exit handlers run and a file it left open is flushed."""
     import torch
-    forks = sys.platform == "linux" and not torch.backends.cuda.is_built()
+    forks = sys.platform == "linux" and not torch.backends.cuda.is_built() and torch.version.hip is None
     monkeypatch.chdir(tmp_path)
     res = launch(script(tmp_path, FORKED), nproc=2, run_dir=tmp_path / "run", out=io.StringIO())
+    reports = [dict(res.report(rank)) for rank in range(2)]
+    draws = [r.pop("unseeded_draw") for r in reports]
+    assert draws[0] != draws[1], "unseeded, two ranks draw alike: they share the agent's random state"
     for rank in range(2):
-        assert res.report(rank) == {"forked": forks, "torch_imported": forks, "sigterm_default": True,
-                                    "sigint_raises": True}
+        assert reports[rank] == {"forked": forks, "torch_imported": forks, "sigterm_default": True,
+                                 "sigint_raises": True}
         assert (tmp_path / f"atexit-{rank}").read_text() == "ran"
         assert (tmp_path / f"open-{rank}").read_text() == "flushed"
+
+
+@pytest.mark.skipif(not agent.forks(), reason="ranks are forked only on Linux with a torch without CUDA")
+def test_a_forked_rank_that_calls_os_exit_ends_with_its_code(tmp_path):
+    """A forked rank returns to torchrun, which waits for its result: os._exit must not leave it waiting."""
+    body = """
+        import os
+        from labsupport import init
+        with init() as rt:
+            pass
+        os._exit(3 if rt.rank == 1 else 0)
+    """
+    res = launch(script(tmp_path, body), nproc=2, run_dir=tmp_path / "run", out=io.StringIO(), check=False,
+                 timeout=BOUND_S)
+    assert res.exit_codes == {0: 0, 1: 3}
 
 
 def test_the_agent_forks_only_where_a_rank_can_still_use_its_device(monkeypatch):
     """A torch built with CUDA keeps torchrun's fresh interpreters: torchrun's start-up initializes CUDA
     in the agent, and a rank forked after it could not use the GPU. macOS keeps them too."""
     import torch
-    from labsupport import agent, rank
+    from labsupport import rank
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     assert not agent.forks()
