@@ -85,7 +85,7 @@ def _as_a_fresh_process():
     """Undo what a fork inherits from torchrun's agent, so that the rank starts as a fresh process would:
     - torchrun's handlers that turn signals (SIGTERM, SIGINT, SIGHUP, SIGQUIT, and any named in
       TORCHELASTIC_SIGNALS_TO_HANDLE) into an exception: a rank stops on them, or gets KeyboardInterrupt;
-    - the agent's exit handlers and finalizers (one removes the agent's temporary directory): not the rank's
+    - the agent's exit handlers and finalizers: they clean up after the agent's objects, not the rank's
       to run; the rank's own still run, logging's shutdown among them;
     - the agent's random state: unseeded draws differ between ranks, as between fresh processes;
     - `os._exit`, while the rank's code runs: a forked rank must return to torchrun, which waits for its
