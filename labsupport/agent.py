@@ -3,13 +3,11 @@
 `python -m labsupport.agent ARGS` is `python -m torch.distributed.run ARGS`: the same agent with the
 same options, which starts, watches and stops the ranks. Three things differ.
 
-Where it is safe, it forks the ranks from itself instead of starting a fresh interpreter for each:
-torchrun's own `--start-method fork --run-path rank.py` in place of `-m labsupport.rank`. Importing
-torch costs ~2 s of CPU per process, more than a tiny model's whole run on a laptop's two cores. A
-forked rank finds torch imported, and what every rank imports next (what `runtime.init` imports before
-the group forms, and torch._dynamo, which the first optimizer imports: ~1.5 s more), which the agent
-imports once. Right before each fork it freezes its objects (`gc.freeze()`, as Python's documentation
-advises): a rank's garbage collections then never walk, nor copy, the pages it inherited.
+Where it is safe (`runtime.forks`), it forks the ranks from itself instead of starting a fresh
+interpreter for each: torchrun's own `--start-method fork --run-path rank.py` in place of
+`-m labsupport.rank`. Importing torch costs ~2 s of CPU per process, more than a tiny model's whole run
+on a laptop's two cores. A forked rank finds torch imported, and what every rank imports next, which the
+agent imports once (`runtime.prepare_to_fork`, which also freezes the agent's objects before each fork).
 
 Safe means Linux and a torch built without CUDA or ROCm: on a GPU node torchrun's own start-up
 initializes CUDA in the agent (`torch.cuda.is_available()` in `LaunchConfig`, torch 2.13), and a rank
@@ -24,24 +22,15 @@ second of every launch; a failure exits the ordinary way, with torchrun's own re
 config file on one machine, Accelerate puts the file's settings in the environment and runs the same
 agent in this process (static rendezvous), so the last two differences hold there too.
 """
-import gc
-import importlib
-import os
 import sys
 
-import torch
 from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 from torch.distributed.run import main
 
 from . import rank
-from .runtime import import_before_the_group, tcp_store
+from .runtime import forks, prepare_to_fork, tcp_store
 
 RANK_MODULE = ["-m", "labsupport.rank"]  # how launch() names the rank wrapper to torchrun
-
-
-def forks() -> bool:
-    """Whether ranks may be forked from this process (above): Linux, and a torch built without CUDA or ROCm."""
-    return sys.platform == "linux" and not torch.backends.cuda.is_built() and torch.version.hip is None
 
 
 def forking(argv: list[str]) -> list[str]:
@@ -62,8 +51,6 @@ if __name__ == "__main__":
         argv = sys.argv[1:]
         if forks() and forking(argv) != argv:
             argv = forking(argv)
-            import_before_the_group()
-            importlib.import_module("torch._dynamo")
-            os.register_at_fork(before=gc.freeze)  # a rank's collections skip what it inherits: no pass, no page copied
+            prepare_to_fork()
         main(argv)
     rank.leave_now([])

@@ -39,6 +39,7 @@ import argparse
 import ast
 import atexit
 import faulthandler
+import importlib
 import logging
 import os
 import re
@@ -72,6 +73,9 @@ END_GRACE_S = 0.3
 
 # What the controller and the engines run: `python -c _SERVE MODULE ARGS...` (see _serve).
 _SERVE = "import labsupport.pool; labsupport.pool._serve()"
+# Set for the engine's command where ranks may be forked (runtime.forks): that one process forks this
+# many engines, one per rank (see _fork_engines).
+FORKS_ENV = "LABSUPPORT_POOL_ENGINES"
 
 
 class PoolError(LaunchError):
@@ -154,7 +158,7 @@ class RankPool:
         import ipyparallel as ipp
         from traitlets.config import Config
 
-        from .runtime import threads_per_rank
+        from .runtime import forks, threads_per_rank
         env = {"LABSUPPORT_RUN_DIR": str(self.run_dir), "LABSUPPORT_POOL_OWNER": str(os.getpid()),
                "OMP_NUM_THREADS": str(threads_per_rank(self.nproc)),
                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
@@ -165,13 +169,15 @@ class RankPool:
         config.LocalControllerLauncher.environment = env
         config.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-c", _SERVE, "ipyparallel.engine"]
         config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]  # one process per rank
-        config.LocalEngineSetLauncher.environment = env
+        # where it is safe, one engine process that forks every rank's engine (_fork_engines)
+        engine_processes = 1 if forks() else self.nproc
+        config.LocalEngineSetLauncher.environment = {**env, FORKS_ENV: str(self.nproc)} if forks() else env
         log = logging.getLogger(f"labsupport.pool.{id(self)}")  # ipyparallel's messages: to a file, not the cell
         for handler in log.handlers:
             handler.close()
         log.handlers, log.propagate = [logging.FileHandler(self.run_dir / "ipyparallel.log")], False
         self._cluster = ipp.Cluster(
-            n=self.nproc, controller_ip="127.0.0.1", profile_dir=str(self.run_dir / "ipyparallel"),
+            n=engine_processes, controller_ip="127.0.0.1", profile_dir=str(self.run_dir / "ipyparallel"),
             # schedulers as threads: one controller process; a 0.5 s heartbeat registers engines in
             # about 1 s instead of 6 (the default is 3 s, and registration waits for a beat)
             controller_args=["--usethreads", "--HeartMonitor.period=500"],
@@ -616,7 +622,33 @@ def _serve() -> None:
     os.register_at_fork(after_in_child=lambda: die_with_parent(signal.SIGKILL))
     if os.getppid() != int(os.environ["LABSUPPORT_POOL_OWNER"]):
         os._exit(1)  # the owner died before we asked to die with it
+    engines = os.environ.pop(FORKS_ENV, None)
+    if engines:
+        _fork_engines(int(engines))  # returns in each engine
     runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+
+
+def _fork_engines(n: int) -> None:
+    """Fork `n` engines from this process, which then only waits for them; return in each engine.
+
+    Like torchrun's agent where ranks are forked (labsupport.agent), this process imports once what
+    every engine and rank imports (ipyparallel's engine, torch and what a rank imports before its
+    group forms: ~5 s of CPU per process), so that a pool starts in a fraction of the CPU. Each engine
+    dies with this process (_serve's fork hook), and this process with the pool's owner; it exits
+    once every engine has ended, and a rank that dies leaves the others running, as before.
+    """
+    from .runtime import prepare_to_fork
+    prepare_to_fork()
+    importlib.import_module("ipyparallel.engine.app")
+    engines = set()
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            return
+        engines.add(pid)
+    while engines:
+        engines.discard(os.wait()[0])
+    os._exit(0)
 
 
 _runtime = None  # on an engine: this rank's Runtime, entered by _become_rank, left by _leave_rank

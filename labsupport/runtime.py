@@ -43,10 +43,28 @@ BEFORE_THE_GROUP = ("torch.distributed.nn.functional", "torch.distributed.optim"
 
 
 def import_before_the_group() -> None:
-    """Import BEFORE_THE_GROUP (~0.5 s of CPU, more alone). torchrun's agent does it once before it
-    forks the ranks (labsupport.agent), so that a forked rank finds them imported."""
+    """Import BEFORE_THE_GROUP (~0.5 s of CPU, more alone). A process that forks ranks does it once
+    (prepare_to_fork), so that a forked rank finds them imported."""
     for name in BEFORE_THE_GROUP:
         importlib.import_module(name)
+
+
+def forks() -> bool:
+    """Whether this process may fork ranks instead of starting fresh interpreters: Linux, and a torch built
+    without CUDA or ROCm. A GPU build may have initialized CUDA here already (torchrun's agent does, in
+    `LaunchConfig`, torch 2.13), and a process forked after that cannot use the GPU."""
+    return sys.platform == "linux" and not torch.backends.cuda.is_built() and torch.version.hip is None
+
+
+def prepare_to_fork() -> None:
+    """Before forking ranks (torchrun's agent, labsupport.agent; the pool's engines, labsupport.pool):
+    import once what every rank imports next (import_before_the_group, and torch._dynamo, which the first
+    optimizer imports: ~1.5 s of CPU per rank), and freeze this process's objects right before each fork
+    (`gc.freeze()`, as Python's documentation advises), so that a rank's collections never walk, nor
+    copy, the pages it inherited."""
+    import_before_the_group()
+    importlib.import_module("torch._dynamo")
+    os.register_at_fork(before=gc.freeze)
 
 
 @dataclass

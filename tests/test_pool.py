@@ -61,6 +61,17 @@ def one_line(err) -> str:
     return message
 
 
+def test_the_engines_are_forked_from_one_process_that_imported_what_ranks_import(pool):
+    """Where ranks may be forked (runtime.forks: a CPU-only torch on Linux), one process imports torch and
+    what every rank imports next, then forks each rank's engine (pool._fork_engines); elsewhere each engine
+    is a fresh interpreter. torch._dynamo stands for those imports: no cell here has imported it yet."""
+    from labsupport.runtime import forks
+    seen = pool.run("import os, sys\nos.getppid(), 'torch._dynamo' in sys.modules")
+    parents = {parent for parent, _ in seen.values()}
+    forked = len(parents) == 1 and parents.isdisjoint(pool.pids.values()) and all(d for _, d in seen.values())
+    assert forked == forks(), seen
+
+
 def test_state_lives_between_cells_and_values_come_back(pool, capsys):
     assert pool.run(cell("""
         t = torch.tensor([rt.rank + 1.0])
