@@ -4,9 +4,10 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+
+from figures import rendered  # noqa: E402
 
 from labsupport.estimate.collective_steps import COLLECTIVES, schedule, simulate  # noqa: E402
 from labsupport.widgets.collectives import (DPI, CollectivesWidget, collectives_figure, draw_single,  # noqa: E402
@@ -139,24 +140,16 @@ def test_static_figure_shows_itself_in_a_notebook_without_pyplot():
 
 # ---------------------------------------------------------------- what the pictures look like
 
-def rendered(fig, dpi=DPI):
-    """Draw `fig` as the PNG would be and return a renderer to measure its artists with."""
-    fig.set_dpi(dpi)
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return canvas.get_renderer()
-
-
 def covered_labels(fig):
     """(label text, the arrow's zorder, the label) for every label whose box an arrow's box overlaps."""
     renderer = rendered(fig)
     for ax in fig.axes:
-        arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+        arrows = [(p.get_window_extent(renderer), p) for p in ax.patches if isinstance(p, FancyArrowPatch)]
         labels = [t for t in ax.texts if t.get_text()] + ax.get_xticklabels() + ax.get_yticklabels()
         for label in labels:
             box = label.get_window_extent(renderer)
-            for arrow in arrows:
-                if arrow.get_window_extent(renderer).overlaps(box):
+            for extent, arrow in arrows:
+                if extent.overlaps(box):
                     yield label.get_text(), arrow.get_zorder(), label
 
 
