@@ -274,7 +274,8 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     shown = None if ranks == "all" else {int(r) for r in str(ranks).split(",")}
 
     from .rank import die_with_parent  # imported here: `python -m labsupport.rank` must find it unloaded
-    from .runtime import threads_per_rank
+    from . import forkserver
+    from .runtime import forks, threads_per_rank
     port = free_port()
     if accelerate_config is None:
         agent = ["--nnodes=1", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
@@ -298,8 +299,12 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
 
     start = time.monotonic()
     clock = _Clock(run_dir, nproc, timeout, startup_timeout, start)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                            start_new_session=True, preexec_fn=die_with_parent)
+    if forks():  # torchrun's agent forked by this process's fork server: no ~4 s import per launch
+        proc = forkserver.start_agent(cmd[3:], child_env)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
+                                start_new_session=True, preexec_fn=die_with_parent)
+    (run_dir / "agent-pid").write_text(f"{proc.pid}\n")
     try:
         with open(run_dir / "torchrun.log", "w") as agent_log:
             _pump(proc, clock, shown, out, agent_log)

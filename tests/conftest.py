@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from labsupport.launch import alive, descendants
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -137,6 +139,8 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
 def pytest_sessionfinish(session, exitstatus):
     """No test, notebook (nbval) or launch may leave a process behind: after the last test, nothing
     that carries this session's tag may still run (a few seconds' grace for processes that are exiting)."""
+    from labsupport import forkserver
+    forkserver.stop()  # this process's launches are over; it would count as left behind
     needle = f"{SESSION}={os.getpid()}"
     deadline = time.monotonic() + 15
     while (left := _processes_with(needle)) and time.monotonic() < deadline:
@@ -154,8 +158,15 @@ def _command(pid: int) -> str:
 
 
 def processes_of(run_dir) -> list[int]:
-    """PIDs of live processes started for `run_dir` (their environment names it)."""
-    return _processes_with(f"LABSUPPORT_RUN_DIR={Path(run_dir).resolve()}")
+    """PIDs of live processes started for `run_dir`: those whose environment names it, and those a fork
+    server forked for it, which keep their server's environment in /proc (labsupport.forkserver): the
+    agent and the ranks its pid files name, and everything below them."""
+    run_dir = Path(run_dir).resolve()
+    named = [int(f.read_text()) for pattern in ("agent-pid", "pid-rank*") for f in run_dir.glob(pattern)]
+    found = set(_processes_with(f"LABSUPPORT_RUN_DIR={run_dir}"))
+    for pid in filter(alive, named):
+        found.update([pid, *descendants(pid)])
+    return sorted(found - {os.getpid()})
 
 
 def _processes_with(variable: str) -> list[int]:

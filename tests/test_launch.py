@@ -14,7 +14,7 @@ import time
 import pytest
 
 from labsupport import agent
-from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, crashed_ranks, failure_message,
+from labsupport.launch import (LaunchError, LaunchTimeout, RankFailed, RunResult, alive, crashed_ranks, failure_message,
                                launch, torchrun_magic)
 from labsupport.rundir import display_path
 from conftest import listening_addresses, on_loopback, processes_of, run_cli
@@ -112,6 +112,40 @@ def test_a_forked_rank_that_calls_os_exit_ends_with_its_code(tmp_path):
     res = launch(script(tmp_path, body), nproc=2, run_dir=tmp_path / "run", out=io.StringIO(), check=False,
                  timeout=BOUND_S)
     assert res.exit_codes == {0: 0, 1: 3}
+
+
+FORKED_AGENTS = """
+import os, sys, time
+from pathlib import Path
+from labsupport import launch
+def forked(run):  # (the server that forked this launch's agent, the agent)
+    launch(sys.argv[1], nproc=1, run_dir=run)
+    return int((run / "server").read_text()), int((run / "agent-pid").read_text())
+root = Path(sys.argv[2])
+first, second = forked(root / "a"), forked(root / "b")
+time.sleep(2)  # past LABSUPPORT_FORKSERVER_IDLE_S: that server has exited
+third = forked(root / "c")
+print(os.getpid(), *first, *second, *third)
+"""
+
+
+@pytest.mark.skipif(not agent.forks(), reason="ranks are forked only on Linux with a torch without CUDA")
+def test_launches_fork_their_agent_from_one_server_that_leaves_with_its_launcher(tmp_path):
+    """labsupport.forkserver: one server per launcher process forks each launch's agent; it exits when
+    idle, the next launch starts another, and none outlives its launcher."""
+    rank = script(tmp_path, 'import os, pathlib\n'
+                            'pathlib.Path(os.environ["LABSUPPORT_RUN_DIR"], "server").write_text('
+                            'open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])\n')
+    res = subprocess.run([sys.executable, "-c", FORKED_AGENTS, str(rank), str(tmp_path)], capture_output=True,
+                         text=True, timeout=BOUND_S, env={**os.environ, "LABSUPPORT_FORKSERVER_IDLE_S": "1"})
+    assert res.returncode == 0, res.stderr
+    driver, *runs = (int(n) for n in re.findall(r"\d+", res.stdout))
+    (server1, agent1), (server2, agent2), (server3, agent3) = zip(runs[::2], runs[1::2])
+    assert server1 == server2 != server3 and agent1 != agent2 and driver not in (server1, server3)
+    deadline = time.monotonic() + BOUND_S
+    while alive(server3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(server1) and not alive(server3)
 
 
 def test_the_agent_forks_only_where_a_rank_can_still_use_its_device(monkeypatch):
