@@ -143,6 +143,14 @@ def shape_problems(cfg) -> list[str]:
     return out
 
 
+def family_options(cfg) -> list[str]:
+    """The Llama family's options this shape uses, in words (empty for the GPT shape; biases aside)."""
+    return [what for what, used in (("RMSNorm", cfg.norm == "rmsnorm"), ("a SwiGLU MLP", cfg.mlp == "swiglu"),
+                                    ("RoPE", cfg.positions == "rope"),
+                                    ("grouped-query attention", cfg.n_kv_heads != cfg.heads),
+                                    ("an untied LM head", not cfg.tied)) if used]
+
+
 def tensor_parallel_problems(cfg, tp: int) -> list[str]:
     """What stops `tp` ranks from splitting this shape's attention and MLP by whole pieces, one line each.
 
