@@ -363,11 +363,35 @@ def test_cli_memory_bad_offload_is_one_line(flags, message):
     (["--params", "7.5e9", "--seq-len", "4096"], "--seq-len would be ignored"),
     (["--params", "7.5e9", "--model", "gpt2"], "--model would be ignored"),
     (["--model", "gpt2", "--layers", "3"], "--layers would be ignored"),
+    (["--model", "mistral-7b", "--kv-heads", "4", "--untied"], "--kv-heads --untied would be ignored"),
+    (["--params", "7.5e9", "--mlp", "swiglu"], "--mlp would be ignored"),
+    ([*"--layers 2 --hidden 64 --heads 4 --vocab 64 --seq-len 32 --kv-heads 3".split()],
+     "kv_heads (3) must divide heads (4)"),
+    ([*"--layers 2 --hidden 36 --heads 4 --vocab 64 --seq-len 32 --positions rope".split()],
+     "the head dimension hidden / heads (36 / 4 = 9) must be even"),
+    ([*"--layers 2 --hidden 64 --heads 4 --vocab 64 --seq-len 32 --norm batchnorm".split()],
+     "argument --norm: invalid choice"),
 ])
 def test_cli_memory_refuses_what_it_would_get_wrong_or_ignore(flags, message):
     res = cli("memory", *flags)
     assert res.returncode == 2 and res.stdout == ""
     assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_cli_memory_counts_the_llama_family():
+    """`memory --model mistral-7b` prints the released checkpoint's 7,241,732,096 parameters, the custom shape
+    with the family's switches the same; Mixtral prints its total and active counts (46.7B, 12.9B)."""
+    mistral = cli("memory", "--model", "mistral-7b")
+    assert mistral.returncode == 0 and mistral.stdout.startswith("7,241,732,096 parameters (mixed recipe)")
+    custom = cli("memory", *"--layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq-len 8192 --kv-heads 8 "
+                 "--ffn-hidden 14336 --norm rmsnorm --mlp swiglu --positions rope --untied --no-bias --json".split())
+    assert json.loads(custom.stdout.splitlines()[-1]) == estimate_memory(PRESETS["mistral-7b"])
+    mixtral = cli("memory", "--model", "mixtral-8x7b", "--json")
+    assert mixtral.stderr.startswith("46,702,792,704 parameters = 46.7B, 12,879,925,248 = 12.9B active per token "
+                                     "(2 of 8 experts a layer)")
+    est = json.loads(mixtral.stdout.splitlines()[-1])
+    assert (est["n_params"], est["active_params"]) == (46_702_792_704, 12_879_925_248)
+    assert "the Llama family" not in cli("memory", "--model", "gpt2").stdout  # GPT output unchanged
 
 
 def test_cli_memory_trains_a_preset_at_its_seq_len():
