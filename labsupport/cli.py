@@ -111,13 +111,34 @@ def cmd_train(args) -> int:
 
 # ---------------------------------------------------------------- memory
 
+# The Llama family's switches of a custom shape (`memory`, `plan`): flag -> (ModelConfig field, its value when given)
+_FAMILY_FLAGS = {"kv_heads": ("--kv-heads", "kv_heads"), "ffn_hidden": ("--ffn-hidden", "ffn_hidden"),
+                 "norm": ("--norm", "norm"), "mlp": ("--mlp", "mlp"), "positions": ("--positions", "positions"),
+                 "untied": ("--untied", "tied"), "no_bias": ("--no-bias", "bias")}
+
+
+def _family_flags(args) -> list[str]:
+    """The Llama family's switches given (which a preset or --params would ignore)."""
+    return [flag for arg, (flag, _) in _FAMILY_FLAGS.items() if getattr(args, arg) not in (None, False)]
+
+
+def _family(args) -> dict:
+    """ModelConfig's fields from the family's switches: what is given, and nothing else (the GPT defaults)."""
+    out = {field: getattr(args, arg) for arg, (_, field) in _FAMILY_FLAGS.items()
+           if arg not in ("untied", "no_bias") and getattr(args, arg) is not None}
+    out.update({field: False for arg, (_, field) in _FAMILY_FLAGS.items()
+                if arg in ("untied", "no_bias") and getattr(args, arg)})
+    return out
+
+
 def _model(args, alternative: str = ""):
     """The model `memory` and `plan` size: --model PRESET (a CPU preset with --vocab, or the
     shipped corpus's; --seq-len trains it at another context length, which changes the activations),
-    or the shape flags."""
+    or the shape flags: --layers --hidden --heads --vocab --seq-len, and for the Llama family
+    --kv-heads, --ffn-hidden, --norm rmsnorm, --mlp swiglu, --positions rope, --untied, --no-bias."""
     from .estimate.shapes import ModelConfig, preset_shape
     if args.model:
-        ignored = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None]
+        ignored = [f"--{f}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None] + _family_flags(args)
         if ignored:
             raise UsageError(f"--model {args.model} has its own shape, so {' '.join(ignored)} would be ignored: "
                              "drop them or --model (a preset takes --seq-len and --vocab)")
@@ -127,7 +148,17 @@ def _model(args, alternative: str = ""):
     if missing:
         raise UsageError(f"give --model PRESET, {alternative}or all of --layers --hidden --heads --vocab --seq-len "
                          f"(missing {' '.join(missing)})")
-    return ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len)
+    return ModelConfig("custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len, **_family(args))
+
+
+def _count_line(cfg, n_params: int) -> str:
+    """'N parameters', and with experts the active ones: what a token uses (Mixtral: 46.7B, 12.9B)."""
+    if not cfg or not cfg.experts:
+        return f"{n_params:,} parameters"
+    from .estimate.params import active_params
+    active = active_params(cfg)
+    return (f"{n_params:,} parameters = {n_params / 1e9:.1f}B, {active:,} = {active / 1e9:.1f}B active per token "
+            f"({cfg.top_k} of {cfg.experts} experts a layer)")
 
 
 def cmd_memory(args) -> int:
@@ -136,7 +167,7 @@ def cmd_memory(args) -> int:
         if not args.params >= 1:
             raise UsageError(f"--params must be a positive parameter count, e.g. 7.5e9 (got {args.params:g})")
         shape = [f"--{f.replace('_', '-')}" for f in ("model", "layers", "hidden", "heads", "vocab", "seq_len")
-                 if getattr(args, f) is not None]
+                 if getattr(args, f) is not None] + _family_flags(args)
         if shape:
             raise UsageError(f"--params counts the model states only, so {' '.join(shape)} would be ignored: "
                              "give --params alone, or the shape without it")
@@ -157,9 +188,17 @@ def cmd_memory(args) -> int:
                           recompute=args.recompute, bytes_override=override, n_params=args.params, offload=args.offload)
     from .units import format_bytes as gb
     recipe = "bytes given" if override else f"{args.precision} recipe"
-    human = (f"{est['n_params']:,} parameters ({recipe}); per device: params {gb(est['params'])}, "
+    if cfg is not None and cfg.experts:
+        from .estimate.params import active_params
+        est["active_params"] = active_params(cfg)
+    human = (f"{_count_line(cfg, est['n_params'])} ({recipe}); per device: params {gb(est['params'])}, "
              f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
              f"total {gb(est['total'])}")
+    from .estimate.shapes import family_options
+    unknown = [what for what in family_options(cfg) if what != "an untied LM head"] if cfg is not None else []
+    if unknown:  # the activation formula (memory.py) is Korthikanti's for the GPT shape
+        human += (f"\nactivations: Korthikanti et al.'s terms for the GPT shape; this shape's {', '.join(unknown)} "
+                  "are not in them yet")
     if args.offload:
         from .estimate.offload import PCIE_GBPS, pcie_seconds
         est["pcie_gbps"] = args.pcie_gbps if args.pcie_gbps is not None else PCIE_GBPS["gen4"]
@@ -232,6 +271,10 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
     import shlex
 
     from .estimate.planner import MEGATRON_SCRIPT, deepspeed_config, megatron_arguments, megatron_environment
+    from .estimate.shapes import family_options
+    if args.emit != "deepspeed" and family_options(cfg):
+        raise UsageError(f"--emit {args.emit} writes a GPT shape's Megatron arguments, and {cfg.name} has "
+                         f"{', '.join(family_options(cfg))} (their flags are not written yet); use --emit deepspeed")
     megatron = megatron_arguments(best, cfg, global_batch, args.precision)
     ds_config = deepspeed_config(best, global_batch, args.precision)
     environment = megatron_environment(best, frontier=args.machine == "frontier")
@@ -272,7 +315,7 @@ def cmd_plan(args) -> int:
         return _check_config(args)
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
-    from .estimate.params import count_params
+    from .estimate.params import active_params, count_params
     from .estimate.planner import describe, plan, search, tflops_per_gpu, why
     cfg, machine = _model(args), _plan_machine(args)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
@@ -302,7 +345,9 @@ def cmd_plan(args) -> int:
     lines += ["  " + line for line in why(best, cfg, machine, args.gpus, global_batch, args.precision, args.efficiency)]
     for i, c in enumerate(configs[1:3], 2):
         lines.append(f"#{i}: {describe(c)}, {c.step_time_s / best.step_time_s - 1:+.1%} step time.")
+    lines[0] = f"{lines[0]} ({_count_line(cfg, count_params(cfg))})" if cfg.experts else lines[0]
     payload = {"n_params": count_params(cfg),
+               **({"active_params": active_params(cfg)} if cfg.experts else {}),
                "gpus": args.gpus, "global_batch": global_batch, "machine": vars(machine).copy(),
                "configs": [c.to_json() for c in configs[:args.top]]}
     if args.search:
@@ -366,6 +411,22 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _family_arguments(parser) -> None:
+    """A custom shape's Llama-family switches (`memory`, `plan`); each default is the GPT shape's."""
+    from .estimate.shapes import MLPS, NORMS, POSITIONS
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads, dividing --heads (grouped-query attention; 1: multi-query; "
+                             "default: --heads)")
+    parser.add_argument("--ffn-hidden", type=int, default=None,
+                        help="the MLP's inner width (default: 4 x hidden for gelu, LLaMA's 8/3 x hidden rounded up "
+                             "to 256 for swiglu)")
+    parser.add_argument("--norm", choices=NORMS, default=None, help="default layernorm")
+    parser.add_argument("--mlp", choices=MLPS, default=None, help="default gelu")
+    parser.add_argument("--positions", choices=POSITIONS, default=None, help="default learned")
+    parser.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
+    parser.add_argument("--no-bias", action="store_true", help="no biases (and LayerNorm without its bias)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="labsupport", description="Distributed training, built from scratch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -416,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--params", type=float, default=None, help="a parameter count, e.g. 7.5e9 (model states only)")
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         m.add_argument(f"--{flag}", type=int, default=None)
+    _family_arguments(m)
     m.add_argument("--micro-batch", type=int, default=1)
     from .estimate.memory import BYTES_PER_PARAM, recipe_label
     m.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed",
@@ -450,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "shape with --layers ... --seq-len")
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         pl.add_argument(f"--{flag}", type=int, default=None)
+    _family_arguments(pl)
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--machine", choices=list(MACHINE_NAMES), default=None,
                     help="a node preset; the flags below override its values")

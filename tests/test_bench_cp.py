@@ -38,7 +38,7 @@ def test_bench_cp_races_the_ring_against_dense_attention_over_sequence_lengths()
     (["--sizes", "64,102"],
      "the sequence length 102 does not split into 2 x cp = 4 chunks (the balanced split); use a multiple of 4"),
     (["--sizes", "64,1k"], "--sizes 64,1k: give sequence lengths as whole numbers, e.g. 1024,4096"),
-    (["--model", "22b"], "--model 22b is an analysis shape; use nano, micro or mini"),
+    (["--model", "22b"], "--model 22b is an analysis shape; use a CPU preset: nano, micro, mini, llama-micro"),
 ])
 def test_bench_cp_refuses_bad_arguments_in_one_line(args, message):
     res = cli("bench", "cp", *args)

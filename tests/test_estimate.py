@@ -17,7 +17,7 @@ from labsupport.estimate.memory import (BYTES_PER_PARAM, activation_bytes_per_la
                                         largest_model_that_fits, model_state_bytes, scaled_shape,
                                         tinygpt_activation_bytes)
 from labsupport.estimate.offload import PCIE_GBPS, offload_pays, pcie_seconds
-from labsupport.estimate.params import count_params, params_per_layer, rule_of_thumb
+from labsupport.estimate.params import active_params, count_params, matmul_params, params_per_layer, rule_of_thumb
 from labsupport.metrics import ActivationMeter
 from labsupport.model import PRESETS, ModelConfig, TinyGPT, lm_loss
 
@@ -33,13 +33,45 @@ GB = 1e9
     PRESETS["micro"].with_vocab(65),
     ModelConfig("nobias", n_layers=3, hidden=48, heads=6, vocab=65, seq_len=32, bias=False),
     ModelConfig("moe", n_layers=2, hidden=64, heads=4, vocab=65, seq_len=32, experts=4),
+    PRESETS["llama-micro"].with_vocab(65),
+    # the options one at a time against the GPT shape: biases with GQA, LayerNorm with RoPE and SwiGLU, untied
+    ModelConfig("gqa-bias", n_layers=2, hidden=48, heads=6, vocab=65, seq_len=32, kv_heads=2),
+    ModelConfig("mqa-swiglu", n_layers=1, hidden=64, heads=4, vocab=65, seq_len=32, kv_heads=1, mlp="swiglu",
+                positions="rope", tied=False),
+    ModelConfig("rms-nobias", n_layers=1, hidden=32, heads=2, vocab=65, seq_len=16, norm="rmsnorm", bias=False),
+    ModelConfig("swiglu-moe", n_layers=2, hidden=32, heads=4, vocab=65, seq_len=16, bias=False, norm="rmsnorm",
+                mlp="swiglu", ffn_hidden=48, positions="rope", kv_heads=2, tied=False, experts=4, top_k=2),
 ], ids=lambda c: c.name)
 def test_count_params_is_exact_for_tinygpt(cfg):
     model = TinyGPT(cfg)
+    padding = (128 - 65) * cfg.hidden * (1 if cfg.tied else 2)  # the embedding's padding rows, and an untied head's
     assert count_params(cfg, padded=True) == sum(p.numel() for p in model.parameters())
-    assert count_params(cfg) == model.num_params() == count_params(cfg, padded=True) - (128 - 65) * cfg.hidden
+    assert count_params(cfg) == model.num_params() == count_params(cfg, padded=True) - padding
     block = sum(p.numel() for p in model.blocks["0"].parameters())
     assert params_per_layer(cfg) == block
+    if cfg.experts:  # a token uses the router and top_k experts of each layer
+        expert = sum(p.numel() for p in model.blocks["0"].mlp.experts["0"].parameters())
+        assert active_params(cfg) == count_params(cfg) - cfg.n_layers * (cfg.experts - cfg.top_k) * expert
+    else:
+        assert active_params(cfg) == count_params(cfg)
+
+
+def test_llama_family_published_sizes():
+    """The released checkpoints' counts, from the shapes of their config.json (shapes.py): Mistral 7B exactly
+    7,241,732,096 (the sum of its safetensors); Mixtral 8x7B 46.7B, 12.9B active (Mistral AI's release); Llama 3
+    8B, 70B and Llama 3.1 405B 8.03B, 70.6B, 405.9B (their model cards print 8B, 70B, 405B). Vocabularies as
+    published (128,256 and 32,000 are multiples of 64: padding changes nothing)."""
+    assert count_params(PRESETS["mistral-7b"]) == 7_241_732_096
+    # per layer: q and out 4096^2 each, k and v 4096 x 1024 each, SwiGLU 3 x 4096 x 14336, two RMSNorm gains
+    assert params_per_layer(PRESETS["mistral-7b"]) == 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert (count_params(mixtral), active_params(mixtral)) == (46_702_792_704, 12_879_925_248)
+    assert (round(count_params(mixtral) / 1e9, 1), round(active_params(mixtral) / 1e9, 1)) == (46.7, 12.9)
+    assert round(count_params(PRESETS["llama3-8b"]) / 1e9, 2) == 8.03
+    assert round(count_params(PRESETS["llama3-70b"]) / 1e9, 1) == 70.6
+    assert round(count_params(PRESETS["llama3-405b"]) / 1e9, 1) == 405.9
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b", "mistral-7b", "mixtral-8x7b"):
+        assert count_params(PRESETS[name], padded=True) == count_params(PRESETS[name])
 
 
 def test_gpt2_published_sizes():
@@ -97,6 +129,28 @@ def test_training_days_narayanan_2021(n_params, tokens, gpus, tflops, days):
     """Narayanan et al. 2021, Sec 5.1: 8TP/(nX) gives 34 days for GPT-3 and 84 days for 1T.
     Their X is achieved throughput per GPU, so peak x MFU = X with MFU 1."""
     assert round(training_days(n_params, tokens, gpus, tflops * 1e12, 1.0, flops_per_param_token=8)) == days
+
+
+def test_llama_family_flops_count_what_a_token_multiplies_by():
+    """6N + 12 L s d with N the parameters in a token's matmuls: Mistral 7B's untied input embedding is a
+    lookup (left out), its head is a matmul (in); Mixtral's N has 2 of 8 experts a layer. GQA does not shrink
+    the attention term (every query head scores every key). A causal kernel computes 6 L d (s + 1): the
+    query at position i against i + 1 keys, about half the convention's 12 L s d (PaLM, App. B)."""
+    mistral, mixtral = PRESETS["mistral-7b"], PRESETS["mixtral-8x7b"]
+    n = 7_241_732_096 - 32000 * 4096
+    assert matmul_params(mistral) == n
+    assert training_flops_per_token(mistral) == 6 * n + 12 * 32 * 8192 * 4096
+    assert training_flops_per_token(mistral, causal=True) == 6 * n + 6 * 32 * 4096 * 8193
+    assert forward_flops_per_token(mistral, causal=True) == 2 * n + 2 * 32 * 4096 * 8193
+    assert training_flops_per_token(mixtral) == 6 * (12_879_925_248 - 32000 * 4096) + 12 * 32 * 32768 * 4096
+    # the causal count is what a causal kernel sums: position i scores i + 1 keys, 4 d FLOPs each, x 3
+    s, d, layers = 8, 16, 2
+    small = ModelConfig("s", layers, d, 4, 64, s, bias=False, norm="rmsnorm", mlp="swiglu", positions="rope",
+                        kv_heads=2, tied=False)
+    kernel = 3 * layers * sum(4 * d * (i + 1) for i in range(s)) / s
+    assert training_flops_per_token(small, causal=True) - 6 * matmul_params(small) == kernel
+    # the GPT shape's N is unchanged: the tied embedding counts once, the position table not at all
+    assert matmul_params(PRESETS["gpt2"]) == count_params(PRESETS["gpt2"], position_embeddings=False)
 
 
 def test_nanogpt_convention_for_gpt2():
@@ -309,11 +363,35 @@ def test_cli_memory_bad_offload_is_one_line(flags, message):
     (["--params", "7.5e9", "--seq-len", "4096"], "--seq-len would be ignored"),
     (["--params", "7.5e9", "--model", "gpt2"], "--model would be ignored"),
     (["--model", "gpt2", "--layers", "3"], "--layers would be ignored"),
+    (["--model", "mistral-7b", "--kv-heads", "4", "--untied"], "--kv-heads --untied would be ignored"),
+    (["--params", "7.5e9", "--mlp", "swiglu"], "--mlp would be ignored"),
+    ([*"--layers 2 --hidden 64 --heads 4 --vocab 64 --seq-len 32 --kv-heads 3".split()],
+     "kv_heads (3) must divide heads (4)"),
+    ([*"--layers 2 --hidden 36 --heads 4 --vocab 64 --seq-len 32 --positions rope".split()],
+     "the head dimension hidden / heads (36 / 4 = 9) must be even"),
+    ([*"--layers 2 --hidden 64 --heads 4 --vocab 64 --seq-len 32 --norm batchnorm".split()],
+     "argument --norm: invalid choice"),
 ])
 def test_cli_memory_refuses_what_it_would_get_wrong_or_ignore(flags, message):
     res = cli("memory", *flags)
     assert res.returncode == 2 and res.stdout == ""
     assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_cli_memory_counts_the_llama_family():
+    """`memory --model mistral-7b` prints the released checkpoint's 7,241,732,096 parameters, the custom shape
+    with the family's switches the same; Mixtral prints its total and active counts (46.7B, 12.9B)."""
+    mistral = cli("memory", "--model", "mistral-7b")
+    assert mistral.returncode == 0 and mistral.stdout.startswith("7,241,732,096 parameters (mixed recipe)")
+    custom = cli("memory", *"--layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq-len 8192 --kv-heads 8 "
+                 "--ffn-hidden 14336 --norm rmsnorm --mlp swiglu --positions rope --untied --no-bias --json".split())
+    assert json.loads(custom.stdout.splitlines()[-1]) == estimate_memory(PRESETS["mistral-7b"])
+    mixtral = cli("memory", "--model", "mixtral-8x7b", "--json")
+    assert mixtral.stderr.startswith("46,702,792,704 parameters = 46.7B, 12,879,925,248 = 12.9B active per token "
+                                     "(2 of 8 experts a layer)")
+    est = json.loads(mixtral.stdout.splitlines()[-1])
+    assert (est["n_params"], est["active_params"]) == (46_702_792_704, 12_879_925_248)
+    assert "the Llama family" not in cli("memory", "--model", "gpt2").stdout  # GPT output unchanged
 
 
 def test_cli_memory_trains_a_preset_at_its_seq_len():

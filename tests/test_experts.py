@@ -114,6 +114,13 @@ def test_one_rank_moe_is_the_token_by_token_loop(case):
     assert all(p.grad is None for e in unreached for p in moe.experts[e].parameters())
 
 
+def test_swiglu_experts_are_the_token_by_token_loop():
+    """Mixtral's experts (SwiGLU: gate, up, down) through the same dispatch and combine, drops included."""
+    moe = check_against_loop(model, dict(top_k=2, capacity_factor=0.5, mlp="swiglu"))
+    assert sorted(n for n, _ in moe.experts["0"].named_parameters()) == [
+        "down.bias", "down.weight", "gate.bias", "gate.weight", "up.bias", "up.weight"]
+
+
 def test_combine_without_undoing_the_dispatch_sort_fails(tmp_path):
     path = tmp_path / "planted_model.py"
     planted_copy(model, [(".index_add(0, token, gated)", ".index_add(0, assignment // k, gated)")], path)
@@ -158,6 +165,11 @@ def test_parameter_counts():
     rest = layers * (2 * d * d + 2 * d * 8 * 128 + 2 * d) + 2 * 32000 * d + d
     mixtral = moe_layer_params(d, 14336, 8, 2, gated=True, bias=False)
     assert round((rest + layers * mixtral["total"]) / 1e9, 1) == 46.7
+    # and the model-wide count is params.count_params of the mixtral-8x7b preset: one formula
+    from labsupport.estimate.params import active_params, count_params
+    from labsupport.estimate.shapes import PRESETS
+    assert moe_model_params(**MIXTRAL_8X7B) == {"total": count_params(PRESETS["mixtral-8x7b"]),
+                                                "active": active_params(PRESETS["mixtral-8x7b"])}
     assert round((rest + layers * mixtral["active"]) / 1e9, 1) == 12.9
     assert expert_params(d, 14336, gated=True, bias=False) == 3 * d * 14336
     counted = moe_model_params(**MIXTRAL_8X7B)  # the same count, as notebook 07 shows it

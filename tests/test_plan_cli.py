@@ -97,6 +97,20 @@ def test_mistakes_are_one_line(capsys, args, message):
     assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
 
 
+def test_plan_takes_the_llama_family(capsys):
+    """A preset of the family and a custom shape with its switches; --emit megatron would write a GPT's flags
+    for them, so it refuses in one line."""
+    mixtral = plan_json(capsys, "--model", "mixtral-8x7b", "--gpus", "64", "--machine", "dgx-h100", "--top", "1")
+    assert (mixtral["n_params"], mixtral["active_params"]) == (46_702_792_704, 12_879_925_248)
+    custom = plan_json(capsys, *"--layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq-len 8192 --kv-heads 8 "
+                       "--ffn-hidden 14336 --norm rmsnorm --mlp swiglu --positions rope --untied --no-bias --gpus 16 "
+                       "--machine dgx-h100 --top 1".split())
+    assert custom["n_params"] == 7_241_732_096 and "active_params" not in custom
+    code, out, err = plan(capsys, "--model", "mistral-7b", "--gpus", "16", "--machine", "dgx-h100", "--emit", "megatron")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--emit megatron writes a GPT shape's Megatron arguments, and mistral-7b has RMSNorm" in err
+
+
 def test_emit_exports_what_megatron_needs_and_names_frontiers_porting_steps(capsys):
     """TP 4 on Frontier: CUDA_DEVICE_MAX_CONNECTIONS=1 just before the command (as every workshop script exports it;
     the comment says this --deepspeed command does not need it), the Part III deck's porting steps as comments; the

@@ -34,11 +34,11 @@ def check_steps(name: str, nproc: int, model: str, global_batch: int, bucket_mb:
                 dp: int, microbatches: int | None = None) -> None:
     """What every benchmark that races training steps (race.py) asks of its arguments; `dp` is the
     data-parallel degree its configurations split the global batch over."""
-    from ..estimate.shapes import get_preset
+    from ..estimate.shapes import CPU_PRESETS, get_preset
     if nproc < 2:
         raise ValueError(f"bench {name} needs --nproc 2 or more")
     if get_preset(model).vocab is not None:
-        raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
+        raise ValueError(f"--model {model} is an analysis shape; use a CPU preset: {', '.join(CPU_PRESETS)}")
     if global_batch % dp:
         raise ValueError(f"--global-batch {global_batch} must be divisible by the {dp} data-parallel ranks")
     if bucket_mb <= 0 or repeats < 1:

@@ -32,11 +32,11 @@ def seq_lens_for(model: str, seq_lens=None) -> list[int]:
 def check(nproc: int, model="micro", global_batch=16, repeats=10, seq_lens=None) -> None:
     """Bad options fail here, one line, before any rank starts."""
     from ..estimate.context import split_problems
-    from ..estimate.shapes import get_preset
+    from ..estimate.shapes import CPU_PRESETS, get_preset
     if nproc < 2:
         raise ValueError("bench cp needs --nproc 2 or more: the ring needs a neighbour")
     if get_preset(model).vocab is not None:
-        raise ValueError(f"--model {model} is an analysis shape; use nano, micro or mini")
+        raise ValueError(f"--model {model} is an analysis shape; use a CPU preset: {', '.join(CPU_PRESETS)}")
     if global_batch < 1 or repeats < 1:
         raise ValueError("--global-batch and --repeats must be >= 1")
     for s in seq_lens_for(model, seq_lens):

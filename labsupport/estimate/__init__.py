@@ -3,8 +3,9 @@
 Every formula here cites the paper it comes from and has a test against a number printed in
 that paper. The notebooks show these predictions beside what `labsupport.metrics` measures.
 
-  params            how many parameters a TinyGPT shape has (exact) and the 12 L d^2 rule of thumb
-  flops             training FLOPs per token (6N + 12 L s d) and datasheet peaks, for MFU
+  shapes            ModelConfig (the GPT shape and the Llama family's options), the presets, their checks
+  params            how many parameters a TinyGPT shape has (exact; active ones with experts), the 12 L d^2 rule
+  flops             training FLOPs per token (6N + 12 L s d; a causal kernel's 6 L d (s + 1)), datasheet peaks, for MFU
   memory            bytes per device: model states (ZeRO stages), activations (Korthikanti et al.)
   offload           ZeRO-Offload: host bytes and PCIe traffic per step
   comm_cost         alpha-beta time of each collective (ring, tree, ...), nccl-tests bus bandwidth

@@ -60,11 +60,15 @@ def moe_model_params(n_layers: int, hidden: int, heads: int, kv_heads: int, head
     and the MoE layer (`moe_layer_params`, gated, bias-free); around the layers an untied embedding
     and LM head (vocab x hidden each) and a final RMSNorm. A token uses the router and top_k experts
     of each layer and everything else. Mixtral 8x7B: 46.7B and 12.9B (Mistral AI's release; the
-    paper rounds them to 47B and 13B)."""
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    dense = n_layers * (attention + 2 * hidden) + 2 * vocab * hidden + hidden
-    moe = moe_layer_params(hidden, ffn, n_experts, top_k, gated=True, bias=False)
-    return {"total": dense + n_layers * moe["total"], "active": dense + n_layers * moe["active"]}
+    paper rounds them to 47B and 13B). The count is `params.count_params` and `params.active_params`
+    of that shape (the `mixtral-8x7b` preset), so there is one formula; heads x head_dim must be hidden."""
+    from .params import active_params, count_params  # params imports this module
+    from .shapes import LLAMA, ModelConfig
+    if heads * head_dim != hidden:
+        raise ValueError(f"heads x head_dim ({heads} x {head_dim}) must be hidden ({hidden})")
+    cfg = ModelConfig("moe", n_layers, hidden, heads, vocab, 1, **LLAMA, ffn_hidden=ffn, kv_heads=kv_heads,
+                      experts=n_experts, top_k=top_k)
+    return {"total": count_params(cfg), "active": active_params(cfg)}
 
 
 def moe_comm(tokens: int, hidden: int, top_k: int, n_experts: int, ep: int, *, dropped: int = 0,

@@ -7,7 +7,7 @@ compares runs across codes and machines.
 """
 from __future__ import annotations
 
-from .params import count_params
+from .params import matmul_params
 
 # The MFU a well-tuned large training run reaches, end to end: an assumption, to turn a step's
 # FLOPs into the seconds a real run spends on it, everything that slows it included. Published
@@ -31,21 +31,38 @@ def model_flops_per_token(n_params: int, n_layers: int, heads: int, head_dim: in
     return 6 * n_params + 12 * n_layers * heads * head_dim * seq_len
 
 
-def training_flops_per_token(cfg) -> int:
-    """6N + 12 L s d for TinyGPT(cfg) at its full context `cfg.seq_len`.
+def training_flops_per_token(cfg, causal: bool = False) -> int:
+    """6N + 12 L s d for TinyGPT(cfg) at its full context `cfg.seq_len`, the GPT shape and the Llama family.
 
-    N is every parameter except the position embeddings: the token embedding counts once and
-    stands for the tied LM head, the biggest matmul of a small model. This is nanoGPT's N
-    (`get_num_params(non_embedding=True)`) and PaLM's (which has no learned positions), so our
-    MFU compares with theirs. Kaplan's non-embedding N would leave out the LM head's 2 V d.
+    N is `params.matmul_params(cfg)`: every parameter a token multiplies by. For the GPT shape that is
+    every parameter but the position table: the tied embedding counts once and stands for the LM
+    head, the biggest matmul of a small model (nanoGPT's N, `get_num_params(non_embedding=True)`, and
+    PaLM's, which has no learned positions), so our MFU compares with theirs. Kaplan's non-embedding N
+    would leave out the LM head's 2 V d. The family changes only N: SwiGLU's three matrices (3 d f),
+    grouped-query attention's smaller k and v projections (2 d kv_heads head_dim), an untied head (V d;
+    the untied input embedding is a lookup and is left out), and with experts only top_k of them
+    (Mixtral: 12.9B active of 46.7B). The attention term does not change with grouped-query attention:
+    every one of the heads query heads still scores every key (a key/value head is read by several).
+    RMSNorm, RoPE, SiLU and the gating product are elementwise and not counted, as LayerNorm and GELU are not.
+
+    `causal`: the 12 L s d of the convention (PaLM, Appendix B; Narayanan et al. 2021's formula, Sec. 5.1,
+    counts the same full s x s scores) is every score of the s x s matrix, though a causal model uses
+    s (s + 1) / 2 of them. A causal kernel that skips the masked blocks (FlashAttention's, the CPU flash
+    kernel, our ring attention's `_visible_blocks`) computes about those only: the query at position
+    i (from 0) against i + 1 keys, 2 d (i + 1) FLOPs for Q K^T and as many for A V, forward, so
+    2 d (s + 1) per token on average and 6 L d (s + 1) for training, about half. `causal=True` counts
+    that. The default is the convention, which the MFU figures in the papers use: with a causal kernel,
+    it credits the run with attention FLOPs the kernel never executed.
     """
-    return model_flops_per_token(count_params(cfg, position_embeddings=False), cfg.n_layers,
-                                 cfg.heads, cfg.hidden // cfg.heads, cfg.seq_len)
+    n_params = matmul_params(cfg)
+    if causal:
+        return 6 * n_params + 6 * cfg.n_layers * cfg.hidden * (cfg.seq_len + 1)
+    return model_flops_per_token(n_params, cfg.n_layers, cfg.heads, cfg.head_dim, cfg.seq_len)
 
 
-def forward_flops_per_token(cfg) -> int:
+def forward_flops_per_token(cfg, causal: bool = False) -> int:
     """2N + 4 L s d: one third of training, the backward pass costing twice the forward (Kaplan Sec 2.1)."""
-    return training_flops_per_token(cfg) // 3
+    return training_flops_per_token(cfg, causal) // 3
 
 
 def training_days(n_params: float, tokens: float, devices: int, peak_flops: float, mfu: float,

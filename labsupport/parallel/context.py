@@ -341,6 +341,10 @@ class ContextParallelStep(Step):
             if model.dropout:
                 out.append(f"--cp {config.cp} has no attention dropout (every rank would need the same mask): "
                            "use --dropout 0")
+            if model.n_kv_heads != model.heads:
+                out.append(f"--cp {config.cp}: the ring passes one key/value head per query head, and model "
+                           f"{model.name} has grouped-query attention ({model.n_kv_heads} key/value heads for "
+                           f"{model.heads}; not passed grouped yet); use --cp 1")
         return out
 
     def apply(self, parts, shared, owned):

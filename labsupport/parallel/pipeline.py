@@ -86,6 +86,9 @@ class PipelineSplit(Step):
             out.append(f"--schedule interleaved needs --pp 2 or more and --chunks 2 or more (got --pp {config.pp}, "
                        f"--chunks {config.chunks}); with one chunk per stage use --schedule 1f1b")
         stages = config.pp * config.chunks
+        if model is not None and config.pp > 1 and not model.tied:
+            out.append(f"--pp {config.pp}: the pipeline keeps the LM head tied to the embedding across its first and "
+                       f"last stage, and model {model.name} has an untied head (not split yet); use --pp 1")
         if model is not None and model.n_layers % stages:
             more = " (each chunk needs at least one layer)" if stages > model.n_layers else ""
             out.append(f"--pp {config.pp} x --chunks {config.chunks} = {stages} pipeline chunks must divide "

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..estimate.shapes import family_options
 from ..model import MLP, CausalSelfAttention
 from .clip import count_once
 from .step import Step
@@ -362,7 +363,7 @@ def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
     rows = [m for m in model.modules() if isinstance(m, RowParallelLinear) and m.sequence_parallel]
     if not rows:
         return []
-    norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    norms = [p for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for p in m.parameters()]
     return norms + [m.bias for m in rows if m.bias is not None]
 
 
@@ -390,6 +391,9 @@ class TensorParallelStep(Step):
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
         out = []
+        if model is not None and config.tp > 1 and family_options(model):
+            out.append(f"--tp {config.tp}: tensor parallelism does not cut the Llama family's "
+                       f"{', '.join(family_options(model))} yet (model {model.name}); use --tp 1 or a GPT preset")
         if model is not None:
             for what, size in (("heads", model.heads), ("hidden size", model.hidden),
                                ("padded vocabulary", model.padded_vocab)):
