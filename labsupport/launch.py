@@ -41,6 +41,7 @@ STARTUP_TIMEOUT_S = 60
 UP_ENV = "LABSUPPORT_SAY_UP"   # set by launch(): labsupport.init() then leaves up-rank{k} in the run directory
 # What each rank leaves for its launcher to read back about this launch: its report()s, up and exit marks,
 # error, pid and stack dump. A run directory used again holds the last launch's (forget_earlier_launch).
+KILLED_S = 5.0  # kill_pids: how long a SIGKILLed process may take to end
 RANK_RECORDS = ("report-rank*.jsonl", "up-rank*", "exit-rank*", "error-rank*.json", "pid-rank*", "stack-rank*.txt")
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|communicator was aborted|Broken pipe", re.I)
@@ -154,15 +155,17 @@ def alive(pid: int) -> bool:
 
 
 def kill_pids(pids: list[int], grace_s: float = 3.0, reap=lambda: None) -> None:
-    """SIGTERM every pid, SIGKILL what is left after `grace_s`. `reap` collects our own exited
-    children while we wait (else they stay zombies and look alive)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGTERM every pid, SIGKILL what is left after `grace_s`, and wait (up to KILLED_S) until they are
+    gone: a process holding torch takes a while to end even after SIGKILL on a loaded machine, and a caller
+    that returns must leave none running. `reap` collects our own exited children while we wait (else they
+    stay zombies and look alive)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILLED_S)):
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             reap()
             if not any(alive(p) for p in pids):

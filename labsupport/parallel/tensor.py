@@ -256,6 +256,7 @@ class ParallelAttention(CausalSelfAttention):
     def __init__(self, attn: CausalSelfAttention, group=None, *, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.head_dim, self.dropout = attn.head_dim, attn.dropout
+        self.q_per_kv, self.rope_theta = attn.q_per_kv, attn.rope_theta  # the same on every rank
         self.qkv = ColumnParallelLinear(attn.qkv, group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(attn.proj, group, sequence_parallel=sequence_parallel)
 
