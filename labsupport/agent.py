@@ -41,16 +41,20 @@ def forking(argv: list[str]) -> list[str]:
     return [*argv[:at], "--start-method=fork", "--run-path", rank.__file__, *argv[at + 2:]]
 
 
-if __name__ == "__main__":
+def run_agent(argv: list[str]) -> None:
+    """What `python -m labsupport.agent ARGV` does; the fork server calls it in each agent it forks."""
     static_tcp_rendezvous.TCPStore = tcp_store
-    if sys.argv[1:2] == ["accelerate"]:  # `accelerate launch ARGS`: Accelerate's front, the same agent inside
-        del sys.argv[1]
+    if argv[:1] == ["accelerate"]:  # `accelerate launch ARGS`: Accelerate's front, the same agent inside
+        sys.argv = [sys.argv[0], *argv[1:]]
         from accelerate.commands.launch import main as accelerate_launch
         accelerate_launch()
     else:
-        argv = sys.argv[1:]
         if forks() and forking(argv) != argv:
             argv = forking(argv)
             prepare_to_fork()
         main(argv)
     rank.leave_now([])
+
+
+if __name__ == "__main__":
+    run_agent(sys.argv[1:])

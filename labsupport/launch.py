@@ -303,12 +303,15 @@ def launch(script=None, *args, module=None, nproc: int = 2, timeout: float | Non
     start = time.monotonic()
     clock = _Clock(run_dir, nproc, timeout, startup_timeout, start)
     if forks():  # torchrun's agent forked by this process's fork server: no ~4 s import per launch
-        proc = forkserver.start_agent(cmd[3:], child_env)
+        try:
+            proc = forkserver.start_agent(cmd[3:], child_env)
+        except forkserver.ForkServerError as e:
+            raise LaunchError(f"torchrun's agent did not start: {e}") from e
     else:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
                                 start_new_session=True, preexec_fn=die_with_parent)
-    (run_dir / "agent-pid").write_text(f"{proc.pid}\n")
     try:
+        (run_dir / "agent-pid").write_text(f"{proc.pid}\n")
         with open(run_dir / "torchrun.log", "w") as agent_log:
             _pump(proc, clock, shown, out, agent_log)
     except _Timeout:

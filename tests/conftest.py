@@ -140,7 +140,11 @@ def pytest_sessionfinish(session, exitstatus):
     """No test, notebook (nbval) or launch may leave a process behind: after the last test, nothing
     that carries this session's tag may still run (a few seconds' grace for processes that are exiting)."""
     from labsupport import forkserver
-    forkserver.stop()  # this process's launches are over; it would count as left behind
+    running = forkserver.running()  # what this process's fork servers still run: left behind by a launch
+    forkserver.stop()
+    if running:
+        print("\nprocesses left behind by launches: " + "; ".join(f"{pid}: {_command(pid)}" for pid in running))
+        session.exitstatus = 1
     needle = f"{SESSION}={os.getpid()}"
     deadline = time.monotonic() + 15
     while (left := _processes_with(needle)) and time.monotonic() < deadline:
