@@ -337,6 +337,20 @@ def test_largest_model_that_fits_is_the_edge_of_its_family():
     assert largest_model_that_fits(1.0, PRESETS["22b"]) is None
 
 
+def test_the_llama_family_scales_with_its_group_size_and_mlp_ratio():
+    """A Llama base keeps 4 query heads a key/value head and an MLP 3.5 x hidden as it scales (it used to keep
+    Llama 3 8B's 8 key/value heads and 14,336 units, which no shape of 1 head could take: the memory widget
+    failed on every Llama preset); Llama 3 8B is the family's 32nd shape."""
+    base = PRESETS["llama3-8b"]
+    assert replace(scaled_shape(base, 32), name="llama3-8b") == base
+    assert (scaled_shape(base, 4).kv_heads, scaled_shape(base, 4).ffn_hidden) == (1, 1792)
+    options = dict(precision="mixed", dp=8, tp=8, pp=4, zero=1, recompute="selective")
+    best = largest_model_that_fits(80e9, base, **options)
+    k = best["shape"].n_layers
+    assert k % 32 == 0 and best["total"] <= 80e9  # lcm(tp x 4, pp): tp splits whole key/value heads
+    assert estimate_memory(scaled_shape(base, k + 32), **options)["total"] > 80e9
+
+
 def test_cli_memory_offload():
     res = run_cli("memory", "--params", "7.5e9", "--dp", "8", "--zero", "2", "--offload", "--pcie-gbps", "15.75",
                   "--json")

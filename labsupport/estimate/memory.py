@@ -343,9 +343,18 @@ def tinygpt_activation_bytes(cfg, micro_batch: int, dtype_bytes: int = 4) -> int
 
 def scaled_shape(base, k: int):
     """The k-th shape of the family d = 128 L with heads of dimension 128 (so k layers and k heads),
-    the rest (vocabulary, sequence, biases) as `base`, a ModelConfig. The 22B and 175B presets lie on it
-    (48 x 6144, 96 x 12288), as do Narayanan et al. 2021's Table 1 shapes up to 145.6B."""
-    return replace(base, name=f"{k} x {128 * k}", n_layers=k, hidden=128 * k, heads=k)
+    the rest (vocabulary, sequence, biases, the Llama family's options) as `base`, a ModelConfig. The
+    22B and 175B presets lie on it (48 x 6144, 96 x 12288), as do Narayanan et al. 2021's Table 1 shapes
+    up to 145.6B. A base with key/value heads of its own keeps its group size r = heads / kv_heads
+    (k / r key/value heads, so r must divide k), and one with an MLP width of its own keeps its ratio
+    ffn / hidden, rounded up to a multiple of 64 so that tp splits it (Llama 3's 3.5 and 3.25 x 128 k need
+    no rounding): without them a Llama base's 8 key/value heads or 14,336 units would not fit k heads."""
+    changes = dict(name=f"{k} x {128 * k}", n_layers=k, hidden=128 * k, heads=k)
+    if base.kv_heads is not None:
+        changes["kv_heads"] = k // (base.heads // base.n_kv_heads)
+    if base.ffn_hidden is not None:
+        changes["ffn_hidden"] = -(-base.ffn_hidden * 128 * k // (base.hidden * 64)) * 64
+    return replace(base, **changes)
 
 
 def largest_model_that_fits(capacity_bytes: float, base=None, **options) -> dict | None:
@@ -353,7 +362,7 @@ def largest_model_that_fits(capacity_bytes: float, base=None, **options) -> dict
 
     `options` are estimate_memory's (micro_batch, precision, dp, tp, pp, zero, offload, ...).
     With a `base` shape (a ModelConfig) the search walks the family `scaled_shape(base, k)`,
-    k a multiple of lcm(tp, pp) so that heads and layers split; memory, activations included,
+    k a multiple of lcm(tp r, pp) so that heads, key/value heads (r query heads each) and layers split; memory, activations included,
     grows with k, so bisection finds the largest k that fits. Without a shape it solves for the
     parameter count, model states only (they grow linearly with it), again by bisection.
     Returns estimate_memory's dict for it, with `shape` (the ModelConfig, or None) added.
@@ -365,7 +374,8 @@ def largest_model_that_fits(capacity_bytes: float, base=None, **options) -> dict
         def at(n):
             return {**estimate_memory(n_params=n, **options), "shape": None}
     else:
-        step = math.lcm(options.get("tp", 1), options.get("pp", 1))
+        group = base.heads // base.n_kv_heads if base.kv_heads is not None else 1  # query heads per key/value head
+        step = math.lcm(options.get("tp", 1) * group, options.get("pp", 1))
 
         def at(n):
             cfg = scaled_shape(base, n * step)
