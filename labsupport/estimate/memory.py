@@ -4,6 +4,10 @@ Model states are parameters, gradients and optimizer states; they scale with the
 count and are what ZeRO shards over data-parallel ranks. Activations are what the forward
 pass keeps for the backward pass; they scale with batch and sequence and are what sequence
 parallelism and recomputation shrink. Tensor and pipeline parallelism split both.
+Activations are counted twice over: `activation_terms` is Korthikanti et al.'s per-layer count
+of what Megatron-LM's kernels keep, for the GPT shape and rederived for the Llama family (what
+`estimate_memory` and the planner use); `tinygpt_activation_bytes` is what our eager CPU model
+keeps, to the byte, which the activation meter measures.
 ZeRO-Offload moves the optimizer states to the host (offload.py); `largest_model_that_fits`
 turns the estimate around: the largest model a device holds.
 """
@@ -115,8 +119,8 @@ def activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: int, tp
       qkv_input    2sbh          the first attention linear's input (the norm's output)
       q            2sbh          Q, for Q K^T
       kv           4sbh g / a    K (for Q K^T) and V (for the product with the probabilities): g heads of
-                                 e each, g e = h g / a wide (Ainslie et al. 2023, Sec 2.2). The paper's
-                                 Q, K, V 6sbh is q + kv at g = a.
+                                 e each, g e = h g / a wide (Ainslie et al. 2023, Sec 2.2). At g = a,
+                                 q + kv is the paper's 4sbh of Q and K (for Q K^T) and 2sbh of V.
       proj_input   2sbh          the attention's output, the output projection's input
       mlp_input    2sbh          the first MLP linear's input (the norm's output); SwiGLU's gate and up
                                  read the same tensor, kept once
