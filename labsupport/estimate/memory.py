@@ -366,9 +366,10 @@ def largest_model_that_fits(capacity_bytes: float, base=None, **options) -> dict
 
     `options` are estimate_memory's (micro_batch, precision, dp, tp, pp, zero, offload, ...).
     With a `base` shape (a ModelConfig) the search walks the family `scaled_shape(base, k)`,
-    k a multiple of lcm(tp r, pp) so that heads, key/value heads (r query heads each) and layers split; memory, activations included,
-    grows with k, so bisection finds the largest k that fits. Without a shape it solves for the
-    parameter count, model states only (they grow linearly with it), again by bisection.
+    k a multiple of lcm(tp r, pp) so that heads, key/value heads (r query heads each) and layers
+    split; memory, activations included, grows with k, so bisection finds the largest k that fits.
+    Without a shape it solves for the parameter count, model states only (they grow linearly with
+    it), again by bisection.
     Returns estimate_memory's dict for it, with `shape` (the ModelConfig, or None) added.
     """
     def fits(est):
