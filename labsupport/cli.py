@@ -194,11 +194,6 @@ def cmd_memory(args) -> int:
     human = (f"{_count_line(cfg, est['n_params'])} ({recipe}); per device: params {gb(est['params'])}, "
              f"grads {gb(est['grads'])}, optimizer {gb(est['optimizer'])}, activations {gb(est['activations'])}, "
              f"total {gb(est['total'])}")
-    from .estimate.shapes import family_options
-    unknown = [what for what in family_options(cfg) if what != "an untied LM head"] if cfg is not None else []
-    if unknown:  # the activation formula (memory.py) is Korthikanti's for the GPT shape
-        human += (f"\nactivations: Korthikanti et al.'s terms for the GPT shape; this shape's {', '.join(unknown)} "
-                  "are not in them yet")
     if args.offload:
         from .estimate.offload import PCIE_GBPS, pcie_seconds
         est["pcie_gbps"] = args.pcie_gbps if args.pcie_gbps is not None else PCIE_GBPS["gen4"]

@@ -53,6 +53,15 @@ def training_flops_per_token(cfg, causal: bool = False) -> int:
     2 d (s + 1) per token on average and 6 L d (s + 1) for training, about half. `causal=True` counts
     that. The default is the convention, which the MFU figures in the papers use: with a causal kernel,
     it credits the run with attention FLOPs the kernel never executed.
+
+    What the conventions count for the family. PaLM's own model has SwiGLU and multi-query attention
+    (Chowdhery et al. 2022, Sec. 2), and its 6N + 12 L H Q T (Appendix B) takes them the way we do: the
+    MLP's three matrices and the single K/V head are in N, and the attention term has H, the query
+    heads, so grouped-query attention saves FLOPs only through N. torchtitan, Meta's PyTorch trainer for
+    Llama 3, counts the same in `get_dense_model_nparams_and_flops` (torchtitan/models/utils.py):
+    6 x (every parameter but the nn.Embedding's: its untied output layer stays in) + 12 L H Q T, its comment
+    saying it follows the convention and does not count causal sparsity. The Llama 3 paper (Dubey et al.
+    2024, Table 4) reports 38-43% BF16 MFU for the 405B run without stating its FLOP count.
     """
     n_params = matmul_params(cfg)
     if causal:
