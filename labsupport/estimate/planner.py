@@ -45,6 +45,7 @@ from .flops import training_flops_per_token
 from .machines import DGX_A100, DGX_H100, FRONTIER, Machine
 from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory
 from .params import count_params
+from .shapes import tensor_parallel_problems
 from .simulator import bubble_over_ideal
 from .tp_comm import layer_comm
 
@@ -158,6 +159,9 @@ def check_layout(cfg, gpus: int, global_batch: int, dp=None, tp=None, pp=None, m
         raise ValueError(split_problems(cfg.seq_len, cp)[0])
     if tp is not None and cfg.heads % tp:
         raise ValueError(f"tp {tp} does not divide the {cfg.heads} attention heads; pick a divisor of {cfg.heads}")
+    if tp is not None and tensor_parallel_problems(cfg, tp):  # grouped-query attention, an MLP width of its own
+        raise ValueError(f"{tensor_parallel_problems(cfg, tp)[0]}: each rank holds whole key/value heads and whole "
+                         f"MLP units (parallel/tensor.py)")
     if pp is not None and cfg.n_layers % pp:
         raise ValueError(f"pp {pp} does not divide the {cfg.n_layers} layers; pick a divisor of {cfg.n_layers}")
     given = {name: v for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if v is not None}
@@ -214,15 +218,16 @@ def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=Non
             micro_batch=None, zero=None, recompute=None, cp=None):
     """Every valid (dp, tp, pp, micro_batch, zero, recompute, cp); given values are kept fixed.
 
-    tp divides the heads and either divides the devices per node or spans whole nodes, up to
-    two nodes (so that the cost of TP beyond a node shows); pp divides the layers; cp is one of
+    tp divides the heads, the key/value heads and the MLP width (`shapes.tensor_parallel_problems`) and
+    either divides the devices per node or spans whole nodes, up to two nodes (so that the cost of TP
+    beyond a node shows); pp divides the layers; cp is one of
     `context_degrees` (1 when dp, tp and pp are all given); dp x tp x pp x cp = gpus; the global
     batch splits into dp x micro-batch; ZeRO-1 only with dp x cp > 1 (it shards over both).
     """
     check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute, cp)
     node = machine.devices_per_node
-    tps = [tp] if tp else [t for t in _divisors(cfg.heads)
-                           if t <= 2 * node and (node % t == 0 or t % node == 0)]
+    tps = [tp] if tp else [t for t in _divisors(cfg.heads) if not tensor_parallel_problems(cfg, t)
+                           and t <= 2 * node and (node % t == 0 or t % node == 0)]
     pps = [pp] if pp else _divisors(cfg.n_layers)
     if cp:
         cps = [cp]
