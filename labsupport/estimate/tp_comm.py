@@ -24,7 +24,7 @@ and row-parallel bias gradients, and the gradient norm one float64.
 The Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention) moves the same bytes. Every
 collective above is of a layer's input or output, b x s x h activations on the residual stream
 (Shoeybi et al. Fig. 4: f before attention's and the MLP's first matrices, g after their last;
-Korthikanti et al. Fig. 5 the same places under sequence parallelism); inside the parallel regions
+Korthikanti et al. Sec. 4.2.2 the same places under sequence parallelism); inside the parallel regions
 nothing is sent. So neither the MLP's width nor its number of matrices, nor the number of
 key/value heads, appears in the count: SwiGLU's gate and up read one input, which enters once
 (Megatron-LM fuses the two into one `linear_fc1`; parallel/tensor.py's `ParallelSwiGLU` multiplies
