@@ -100,9 +100,13 @@ class TorchTP(LocalShardStrategy):
         """Our clip on plain tensors (DTensor's own norm wants every parameter a DTensor): the
         shards counted on every rank, the replicated ones on TP rank 0; then all scaled, on
         every rank. A replicated parameter's gradient may still be `Partial` (a LayerNorm's
-        under sequence parallelism): `full_tensor()` sums it (on every rank: a collective)."""
+        under sequence parallelism): `full_tensor()` sums it (on every rank: a collective).
+        Which is which is read off the gradient, not the parameter: DTensor's embedding backward
+        leaves an untied embedding's gradient `Replicate` (the whole V x h on every rank) although
+        the parameter is `Shard(0)`; counted as a shard it would count T times (seen on llama-micro:
+        the norm 3.5% high). (Tied to the head, the matrix's gradient comes out a shard: the GPT runs' norms are single's.)"""
         params = [p for p in model.parameters() if p.grad is not None]
-        sharded = [p for p in params if isinstance(p, DTensor) and p.placements[0].is_shard()]
+        sharded = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements[0].is_shard()]
         replicated = [p for p in params if not any(p is q for q in sharded)]
         shards = [SimpleNamespace(grad=local(p.grad)) for p in sharded]
         whole = [SimpleNamespace(grad=p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in replicated]
