@@ -472,7 +472,7 @@ class TensorParallelStep(Step):
                 out.append(f"--tp {config.tp} must divide the model's key/value heads ({model.n_kv_heads}): each rank "
                            f"keeps whole key/value heads with their query heads, as Megatron-LM splits its query "
                            f"groups (it copies no key/value head); use a --tp that divides {model.n_kv_heads}")
-            if model.ffn % config.tp:
+            if model.ffn % config.tp and model.ffn != 4 * model.hidden:  # 4 hidden: the hidden size's line says it
                 out.append(f"--tp {config.tp} must divide the model's MLP width (ffn_hidden {model.ffn})")
             if config.sequence_parallel and model.seq_len % config.tp:
                 out.append(f"--sequence-parallel needs --tp {config.tp} to divide the sequence length "
