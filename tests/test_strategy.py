@@ -135,7 +135,8 @@ def test_what_the_llama_family_does_not_cut_yet_is_one_line_before_any_rank():
     from labsupport.estimate.shapes import preset_shape
     llama = preset_shape("llama-micro", 57)
     for config in (ParallelConfig.build(2, "ddp"), ParallelConfig.build(2, "zero3"), ParallelConfig.build(1, "single"),
-                   ParallelConfig.build(2, "tp", tp=2), ParallelConfig.build(2, "torch-tp", tp=2, sequence_parallel=True)):
+                   ParallelConfig.build(2, "tp", tp=2),
+                   ParallelConfig.build(2, "torch-tp", tp=2, sequence_parallel=True)):
         assert config.problems(config.world_size, llama, global_batch=8) == []
     for config, line in ((ParallelConfig.build(4, "tp", tp=4), "--tp 4 must divide the model's key/value heads (2)"),
                          (ParallelConfig.build(4, "torch-tp", tp=4), "--tp 4 must divide the model's key/value heads"),

@@ -104,7 +104,8 @@ class TorchTP(LocalShardStrategy):
         Which is which is read off the gradient, not the parameter: DTensor's embedding backward
         leaves an untied embedding's gradient `Replicate` (the whole V x h on every rank) although
         the parameter is `Shard(0)`; counted as a shard it would count T times (seen on llama-micro:
-        the norm 3.5% high). (Tied to the head, the matrix's gradient comes out a shard: the GPT runs' norms are single's.)"""
+        the norm 3.5% high). (Tied to the head, the matrix's gradient comes out a shard: the GPT
+        runs' norms are single's.)"""
         params = [p for p in model.parameters() if p.grad is not None]
         sharded = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements[0].is_shard()]
         replicated = [p for p in params if not any(p is q for q in sharded)]
