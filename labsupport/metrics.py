@@ -96,7 +96,10 @@ class ActivationMeter:
     def _pack(self, t):
         if self._is_parameter(t):
             return t
-        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor: its local part
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its local part
+        if hasattr(local, "_get_acs_underlying_tensor"):  # torch's AsyncCollectiveTensor, a functional collective's
+            local = local._get_acs_underlying_tensor()     # output (DTensor's all-reduce): a wrapper of this buffer
+        storage = local.untyped_storage()
         key = (storage.data_ptr(), t.device)
         entry = self._live.get(key)
         if entry is None:

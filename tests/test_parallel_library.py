@@ -4,7 +4,8 @@
 - `ShardedOptimizer` is a `torch.optim.Optimizer`: `step()` after `backward()` (and DataParallel's
   average) does the whole job, with the same parameters after every step as AdamW on one process.
 - The tensor-parallel layers refuse, in one clear error, a size the group does not divide (a
-  vocabulary of 31 rows on 2 ranks, 6 output features on 4), instead of computing the wrong rows.
+  vocabulary of 31 rows on 2 ranks, 6 output features on 4, 2 key/value heads or a SwiGLU of 6 units
+  on 4), instead of computing the wrong rows.
 """
 import textwrap
 
@@ -55,13 +56,20 @@ SHARDED_OPTIMIZER = textwrap.dedent('''
 REFUSALS = textwrap.dedent('''
     import torch.nn as nn
     from labsupport import init, report
-    from labsupport.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from labsupport.model import CausalSelfAttention, ModelConfig, SwiGLU
+    from labsupport.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelSwiGLU, RowParallelLinear,
+                                            VocabParallelEmbedding)
+
+    # 8 query heads on 2 key/value heads: qkv's 48 rows split over 4 ranks, but not into whole query groups
+    GQA = ModelConfig("gqa", n_layers=1, hidden=32, heads=8, kv_heads=2, vocab=8, seq_len=4)
 
     errors = {}
     with init(seed=0) as rt:
         for name, build in [("embedding", lambda: VocabParallelEmbedding(nn.Embedding(31, 8))),
                             ("column", lambda: ColumnParallelLinear(nn.Linear(8, 6))),
-                            ("row", lambda: RowParallelLinear(nn.Linear(6, 8)))]:
+                            ("row", lambda: RowParallelLinear(nn.Linear(6, 8))),
+                            ("attention", lambda: ParallelAttention(CausalSelfAttention(GQA))),
+                            ("swiglu", lambda: ParallelSwiGLU(SwiGLU(8, 6)))]:
             try:
                 build()
                 errors[name] = None
@@ -91,3 +99,6 @@ def test_tensor_parallel_layers_refuse_sizes_the_group_does_not_divide(tmp_path)
                                    "tensor-parallel ranks; pad them to a multiple of 4 or use a group size that divides 31")
     assert errors["column"].startswith("ColumnParallelLinear(8, 6) output features: 6 do not split evenly over 4")
     assert errors["row"].startswith("RowParallelLinear(6, 8) input features: 6 do not split evenly over 4")
+    assert errors["attention"].startswith("ParallelAttention: 2 key/value heads (query groups) do not split over 4 "
+                                          "tensor-parallel ranks")
+    assert errors["swiglu"].startswith("ColumnParallelLinear(8, 6) output features: 6 do not split evenly over 4")

@@ -1,12 +1,14 @@
 """Tensor parallelism is proven against the dense model: the same logits, loss and every gradient
-(each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism; the same
-training losses as `single` through `labsupport train`; and bad degrees refused before any start."""
+(each rank's slice of it) on 2 and 4 ranks, with and without sequence parallelism, for the GPT shape
+and the Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention, an untied head); the same
+training losses and gradient norms as `single` through `labsupport train` (nano, llama-micro); and bad
+degrees refused before any start."""
 import textwrap
 
 import pytest
 
 from conftest import cases_on_ranks, cli, planted_copy
-from harness import assert_same_as_single, assert_traffic_in, prefetch, single, train
+from harness import NANO, assert_same_as_single, assert_traffic_in, prefetch, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
 
 pytestmark = pytest.mark.multiprocess
@@ -19,16 +21,22 @@ DENSE = textwrap.dedent('''
     batch; the parallel logits gathered, the loss and every gradient (this rank's slice of the
     dense one) must agree to 1e-5 relative; comm counts each phase per rank.
     Every case of this world size runs here, one after the other; argv[1] lists them as JSON:
-    (label, the tensor-parallel module: ours or a planted copy, "sp" for sequence parallelism or "-")."""
+    (label, the tensor-parallel module: ours or a planted copy, "sp" for sequence parallelism or "-",
+    the shape: "gpt" or "llama")."""
     import importlib, json, sys
     import torch
     from labsupport import comm, init, report
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
 
-    cfg = ModelConfig("tiny", n_layers=2, hidden=32, heads=4, vocab=57, seq_len=8)
+    SHAPES = {"gpt": ModelConfig("tiny", n_layers=2, hidden=32, heads=4, vocab=57, seq_len=8),
+              # 8 query heads on 4 key/value heads (2 per group): 2 or 1 whole groups per rank at tp 2 or 4;
+              # an MLP width of its own (48, not 4 x 32); RoPE, RMSNorm, an untied head, no biases
+              "llama": ModelConfig("tiny-llama", n_layers=2, hidden=32, heads=8, vocab=57, seq_len=8, kv_heads=4,
+                                   ffn_hidden=48, bias=False, norm="rmsnorm", mlp="swiglu", positions="rope",
+                                   tied=False)}
 
 
-    def build(seed):  # TinyGPT starts with zero biases and unit LayerNorms: too kind a trap
+    def build(seed, cfg):  # TinyGPT starts with zero biases and unit norms: too kind a trap
         torch.manual_seed(seed)
         model = TinyGPT(cfg)
         with torch.no_grad():
@@ -38,12 +46,12 @@ DENSE = textwrap.dedent('''
         return model
 
 
-    def check(rt, module, mode):
+    def check(rt, module, mode, shape):
         tp = importlib.import_module(module)
         failures, counts = [], {}
-        dense = build(0)
+        dense = build(0, SHAPES[shape])
         # rank 0's weights are the dense model's; the others' differ until the broadcast
-        model = tp.apply_tensor_parallel(build(rt.rank), None, sequence_parallel=mode == "sp")
+        model = tp.apply_tensor_parallel(build(rt.rank, SHAPES[shape]), None, sequence_parallel=mode == "sp")
         data = torch.Generator().manual_seed(1)
         x, y = torch.randint(0, 57, (3, 8), generator=data), torch.randint(0, 57, (3, 8), generator=data)
 
@@ -81,9 +89,9 @@ DENSE = textwrap.dedent('''
 
 
     with init(seed=0) as rt:
-        for label, module, mode in json.loads(sys.argv[1]):
+        for label, module, mode, shape in json.loads(sys.argv[1]):
             try:
-                report(**{label: check(rt, module, mode)})
+                report(**{label: check(rt, module, mode, shape)})
             except Exception as e:
                 raise RuntimeError(f"case {label!r} failed: {type(e).__name__}: {e}") from e
 ''')
@@ -103,12 +111,24 @@ BUGS = {
         [("grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group)",
           "grad_x = _shard(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group)")],
         "sp", "grad of"),
+    # the Llama family's own mistakes
+    "sequence parallelism without summing the RMSNorms' gains": (
+        [("isinstance(m, (nn.LayerNorm, nn.RMSNorm))", "isinstance(m, nn.LayerNorm)")],
+        "sp", "grad of blocks.0.ln1.weight", "llama"),
+    "the parallel attention without RoPE (the rotation left behind when the module is cut)": (
+        [("self.q_per_kv, self.rope_theta = attn.q_per_kv, attn.rope_theta",
+          "self.q_per_kv, self.rope_theta = attn.q_per_kv, None")],
+        "-", "logits differs", "llama"),
 }
 MODES = [(2, "-"), (2, "sp"), (4, "-"), (4, "sp")]
-# every case: {label: (ranks, the tensor-parallel module, mode)}; each bug planted in a copy of tensor.py, on 2 ranks
+SHAPES = ("gpt", "llama")
+# every case: {label: (ranks, the tensor-parallel module, mode, shape)}; each bug planted in a copy of tensor.py,
+# on 2 ranks, in the GPT shape unless its entry names another
 CASES = {
-    **{f"{nproc} ranks, {mode}": (nproc, "labsupport.parallel.tensor", mode) for nproc, mode in MODES},
-    **{f"planted: {bug}": (2, f"planted_tp_{i}", mode) for i, (bug, (_, mode, _)) in enumerate(BUGS.items())},
+    **{f"{nproc} ranks, {mode}, {shape}": (nproc, "labsupport.parallel.tensor", mode, shape)
+       for nproc, mode in MODES for shape in SHAPES},
+    **{f"planted: {bug}": (2, f"planted_tp_{i}", entry[1], entry[3] if len(entry) > 3 else "gpt")
+       for i, (bug, entry) in enumerate(BUGS.items())},
 }
 
 
@@ -118,15 +138,19 @@ def dense(tmp_path_factory):
     from labsupport.parallel import tensor
 
     def plant(folder):
-        for i, (replacements, _, _) in enumerate(BUGS.values()):
+        for i, (replacements, *_) in enumerate(BUGS.values()):
             planted_copy(tensor, replacements, folder / f"planted_tp_{i}.py")
     return cases_on_ranks(tmp_path_factory, DENSE, CASES, plant)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nproc, mode", MODES)
-def test_logits_loss_and_every_gradient_match_the_dense_model(dense, nproc, mode):
-    reports = dense(f"{nproc} ranks, {mode}")
-    predicted = tp_comm(n_layers=2, hidden=32, seq_len=8, micro_batch=3, sequence_parallel=mode == "sp")
+def test_logits_loss_and_every_gradient_match_the_dense_model(dense, nproc, mode, shape):
+    """The Llama family's traffic is the GPT shape's but for the RMSNorms' gains (tp_comm's `norm`): SwiGLU's
+    gate and up enter the parallel region once, grouped-query attention changes no activation at a boundary."""
+    reports = dense(f"{nproc} ranks, {mode}, {shape}")
+    llama = dict(bias=False, norm="rmsnorm") if shape == "llama" else {}
+    predicted = tp_comm(n_layers=2, hidden=32, seq_len=8, micro_batch=3, sequence_parallel=mode == "sp", **llama)
     for rank, rep in enumerate(reports):
         assert rep["failures"] == [], f"rank {rank}"
         assert rep["names"] == rep["dense_names"], "the parallel model keeps the dense parameter names"
@@ -146,25 +170,41 @@ def test_planted_bugs_are_caught(dense, bug):
 
 @pytest.fixture(scope="module")
 def runs():
-    """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
-    prefetch(("single", 1, ()), *RUNS)
+    """This file's training runs, trained ahead in one launch per world size (harness.prefetch): the
+    llama-micro runs ride the same 2-rank launch as nano's, their single the 1-rank one."""
+    prefetch(("single", 1, ()), ("single", 1, (), LLAMA), *RUNS)
 
 
+# llama-micro (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head): its 4 layers at
+# micro's settings in the harness (16 positions, 6 steps), and 8 sampled characters, which sequence
+# parallelism pads and RoPE rotates
+LLAMA = ("--model", "llama-micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "8",
+         "--eval-batches", "1")
 RUNS = [
-    ("tp", 2, ["--tp", "2"]),
-    ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"]),
-    ("tp", 4, ["--tp", "4", "--sequence-parallel"]),
-    ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"]),
+    ("tp", 2, ["--tp", "2"], NANO),
+    ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"], NANO),
+    ("tp", 4, ["--tp", "4", "--sequence-parallel"], NANO),
+    ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"], NANO),
+    ("tp", 2, ["--tp", "2"], LLAMA),
+    ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"], LLAMA),
+    ("torch-tp", 2, ["--tp", "2"], LLAMA),
+    ("torch-tp", 2, ["--tp", "2", "--sequence-parallel"], LLAMA),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, extra", RUNS)
-def test_training_matches_single_step_by_step(runs, strategy, nproc, extra):
-    out = train(strategy, nproc, *extra)
+@pytest.mark.parametrize("strategy, nproc, extra, settings", RUNS,
+                         ids=[f"{s}-{n}-{'-'.join(e)}-{settings[1]}" for s, n, e, settings in RUNS])
+def test_training_matches_single_step_by_step(runs, strategy, nproc, extra, settings):
+    out = train(strategy, nproc, *extra, settings=settings)
     assert out["parallel"]["tp"] == nproc and out["parallel"]["dp"] == 1
-    assert_same_as_single(out, single())
+    assert_same_as_single(out, single(settings=settings))
     assert_traffic_in(out, {"tp"})  # tensor parallelism talks within its TP group only
+    if settings is LLAMA and strategy == "tp":  # the last step's counted traffic is tp_comm's, RMSNorm's gains too
+        m, micro = out["model"], 4 if "--micro-batch" in extra else 8
+        predicted = total(tp_comm(m["n_layers"], m["hidden"], m["seq_len"], micro, microbatches=8 // micro,
+                                  sequence_parallel="--sequence-parallel" in extra, bias=False, norm="rmsnorm"), tp=2)
+        assert all(by_group == {"tp": predicted} for by_group in out["comm_groups"]), out["comm_groups"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -174,6 +214,7 @@ def test_training_matches_single_step_by_step(runs, strategy, nproc, extra):
      "--sequence-parallel needs --tp 2 to divide the sequence length (7)"),
     (["--tp", "1", "--nproc", "2"], "strategy 'tp' is tensor parallelism, but this grid has --tp 1 "
                                     "(--dp 2 x --tp 1 x --pp 1 on 2 ranks); name what runs: --strategy ddp"),
+    (["--tp", "4", "--nproc", "4", "--model", "llama-micro"], "--tp 4 must divide the model's key/value heads (2)"),
 ])
 def test_bad_tensor_parallel_arguments_fail_before_start(args, message):
     res = cli("train", "--strategy", "tp", "--model", "nano", *args)

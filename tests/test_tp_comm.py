@@ -72,6 +72,28 @@ def test_the_loss_never_moves_the_logits():
     assert forward == {"calls": 2 + 1 + 2, "payload_bytes": 3 * activation + 3 * tokens * 4}
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_llama_family_sends_the_gpt_shapes_bytes_but_for_its_norms(sequence_parallel):
+    """Every collective is of a layer's input or output (b x s x h): SwiGLU's width and three matrices and
+    grouped-query attention's fewer key/value heads never cross a rank boundary, so Llama 3 8B sends what a GPT
+    shape of its layers, hidden size and context sends. Only sequence parallelism's "finish" differs: an RMSNorm
+    has a gain and no bias, h numbers to sum per norm (two per layer and the final one), no row-parallel bias."""
+    from labsupport.estimate.shapes import PRESETS
+    from labsupport.estimate.tp_comm import step_cost
+    cfg = PRESETS["llama3-8b"]
+    llama = tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, 1, sequence_parallel=sequence_parallel, bias=False,
+                    norm="rmsnorm", bytes_per_element=2)
+    gpt = tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, 1, sequence_parallel=sequence_parallel, bytes_per_element=2)
+    assert {k: v for k, v in llama.items() if k != "finish"} == {k: v for k, v in gpt.items() if k != "finish"}
+    if sequence_parallel:
+        h = cfg.hidden
+        assert llama["finish"] == {"all_reduce": {"calls": 1, "payload_bytes": (2 * cfg.n_layers + 1) * h * 4}}
+        assert gpt["finish"]["all_reduce"]["payload_bytes"] == ((2 * 2 + 2) * cfg.n_layers + 2) * h * 4
+    assert step_cost("llama3-8b", 8, sequence_parallel=sequence_parallel)["total"] == total(llama, 8)
+    with pytest.raises(ValueError, match=r"tp 16 must divide the model's key/value heads \(8\)"):
+        step_cost("llama3-8b", 16)
+
+
 # ---------------------------------------------------------------- measured: labsupport train --strategy tp --json
 
 @pytest.mark.multiprocess

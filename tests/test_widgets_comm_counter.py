@@ -130,7 +130,7 @@ def test_beyond_a_node_the_ring_crosses_the_network(machine):
     assert across["ratio"] > 2 * inside["ratio"]  # half the compute per rank, and a slower link
 
 
-def test_tp_menu_offers_only_degrees_that_divide_the_heads():
+def test_tp_menu_offers_only_degrees_that_divide_the_heads_and_key_value_heads():
     w = cc.CommCounterWidget("22b", tp=16)
     assert w.controls["tp"].options == (1, 2, 4, 8, 16)  # 48 heads
     w.controls["model"].value = "gpt2"  # 12 heads: the largest T that still divides them
@@ -140,6 +140,8 @@ def test_tp_menu_offers_only_degrees_that_divide_the_heads():
     assert w.controls["tp"].options == tuple(cc.TP_DEGREES)
     with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4\]"):
         cc.CommCounterWidget("gpt2", tp=8)
+    w.controls["model"].value = "llama3-8b"  # 32 query heads on 8 key/value heads: T splits whole key/value heads
+    assert w.controls["tp"].options == (1, 2, 4, 8)
     w.controls["model"].value = "nano"
     w.controls["tp"].value = 1
     assert w.prediction["total"] == {} and w.prediction["comm_s"] == 0

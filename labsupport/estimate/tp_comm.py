@@ -21,6 +21,20 @@ maximum and, together, the target logits and the denominators: b s and 2 b s fp3
 never the b s V logits. Per step, sequence parallelism adds one all-reduce of the LayerNorm
 and row-parallel bias gradients, and the gradient norm one float64.
 
+The Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention) moves the same bytes. Every
+collective above is of a layer's input or output, b x s x h activations on the residual stream
+(Shoeybi et al. Fig. 4: f before attention's and the MLP's first matrices, g after their last;
+Korthikanti et al. Sec. 4.2.2 the same places under sequence parallelism); inside the parallel regions
+nothing is sent. So neither the MLP's width nor its number of matrices, nor the number of
+key/value heads, appears in the count: SwiGLU's gate and up read one input, which enters once
+(Megatron-LM fuses the two into one `linear_fc1`; parallel/tensor.py's `ParallelSwiGLU` multiplies
+their shards as one matrix), and grouped-query attention shrinks the qkv matrix, not its input or
+proj's output. RoPE has no parameters and rotates the local heads, nothing sent. One count does
+change, and only under sequence parallelism: an RMSNorm has one gain and no bias (Zhang & Sennrich
+2019, eq. 4), so the "finish" all-reduce sums h numbers per norm where LayerNorm sums 2h (`norm`).
+(Grouped-query attention does change context parallelism's traffic, whose ring passes K and V:
+estimate/context.py.)
+
 Full activation recomputation (Megatron's `--checkpoint-activations`, what Part II's 22B hands-on
 passes): Korthikanti et al. 2022, Sec. 5, keep only each layer's input and recompute the rest "using an
 extra forward pass during back-propagation". That pass runs the layer's forward collectives again, in
@@ -42,7 +56,7 @@ from .comm_cost import BUS_FACTOR, collective_time
 from .flops import TYPICAL_MFU, training_flops_per_token
 from .machines import MACHINES, link
 from .memory import RECOMPUTE
-from .shapes import preset_shape
+from .shapes import preset_shape, tensor_parallel_problems
 
 LOSS_BYTES = 4   # the loss reduces fp32 numbers whatever the compute dtype
 NORM_BYTES = 8   # the squared gradient norm is summed in float64
@@ -82,14 +96,16 @@ PHASES = ("forward", "recompute", "backward", "finish", "clip")  # in the order 
 
 def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, microbatches: int = 1,
             sequence_parallel: bool = False, bias: bool = True, bytes_per_element: int = 4,
-            grad_bytes: int = 4, embedding: bool = True, head: bool = True, recompute: str = "none") -> dict:
+            grad_bytes: int = 4, embedding: bool = True, head: bool = True, recompute: str = "none",
+            norm: str = "layernorm") -> dict:
     """{phase: {op: {"calls", "payload_bytes"}}} one rank of a TP group sends per optimizer step,
     phases "forward", "recompute" (full recomputation's second forward pass of the layers, in
     backward: `layer_comm`) and "backward" (all micro-batches), "finish" (sequence parallelism's
     summed LayerNorm and bias gradients) and "clip" (the gradient norm). `bytes_per_element` is the
     activations' (2 under bf16 autocast), `grad_bytes` the gradients'. A pipeline stage holds
     `n_layers` of the layers, the embedding only on the first stage, the LM head and the loss only
-    on the last (`embedding`, `head`); only the layers are recomputed."""
+    on the last (`embedding`, `head`); only the layers are recomputed. `norm` ("layernorm",
+    "rmsnorm") and `bias` size the norms' and row-parallel biases' gradients that "finish" sums."""
     tokens = micro_batch * seq_len
     size = tokens * hidden * bytes_per_element
     phases = {name: defaultdict(lambda: {"calls": 0, "payload_bytes": 0}) for name in PHASES}
@@ -115,9 +131,9 @@ def tp_comm(n_layers: int, hidden: int, seq_len: int, micro_batch: int, *, micro
             else:
                 add("backward", "all_reduce", 1, size)               # the LM head's f
     if sequence_parallel:
-        norm = 2 * hidden if bias else hidden                        # a LayerNorm's weight (and bias)
-        per_layer = 2 * norm + (2 * hidden if bias else 0)           # two LayerNorms, two row-parallel biases
-        add("finish", "all_reduce", 1, (n_layers * per_layer + (norm if head else 0)) * grad_bytes)
+        norm_size = 2 * hidden if bias and norm == "layernorm" else hidden  # a LayerNorm's weight (and bias);
+        per_layer = 2 * norm_size + (2 * hidden if bias else 0)      # an RMSNorm's gain; two norms, two row biases
+        add("finish", "all_reduce", 1, (n_layers * per_layer + (norm_size if head else 0)) * grad_bytes)
     add("clip", "all_reduce", 1, NORM_BYTES)
     return {name: {op: dict(c) for op, c in ops.items()} for name, ops in phases.items() if ops}
 
@@ -155,12 +171,14 @@ def step_cost(model: str = "22b", tp: int = 8, machine: str = "DGX H100", *, seq
 
     _check_recompute(recompute)
     cfg = preset_shape(model, vocab, seq_len=seq_len)
-    if cfg.heads % tp:
-        raise ValueError(f"{cfg.name} has {cfg.heads} heads: T must divide them, and {tp} does not")
+    cannot = tensor_parallel_problems(cfg, tp)
+    if cannot:
+        raise ValueError(f"{cfg.name} over T = {tp} ranks: T must divide its heads, key/value heads and MLP width; "
+                         + "; ".join(cannot))
     alpha, gbps = link(machine, tp)  # refuses an unknown machine
     m = MACHINES[machine]
     step = {} if tp == 1 else tp_comm(cfg.n_layers, cfg.hidden, cfg.seq_len, micro_batch, microbatches=microbatches,
-                                      sequence_parallel=sequence_parallel, bias=cfg.bias,
+                                      sequence_parallel=sequence_parallel, bias=cfg.bias, norm=cfg.norm,
                                       bytes_per_element=bytes_per_element, recompute=recompute)
     phases = {phase: total({phase: ops}, tp) for phase, ops in step.items()}
     per_op = total(step, tp)

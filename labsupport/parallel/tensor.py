@@ -28,6 +28,31 @@ are divided by T.
 Each rank's LayerNorm (and row-parallel bias) then sees only its positions: their gradients
 are partial sums that must be all-reduced over the group (`allreduce_sequence_parallel_gradients`).
 
+The Llama family (model.py's options) is cut by the same two functions, with no new collective:
+
+* SwiGLU's `gate` and `up` are column-parallel and `down` row-parallel (`ParallelSwiGLU`): unit i's
+  column of gate and of up and row i of down belong to that unit alone, so a rank's ffn/T units
+  need nothing from the others, and the MLP still has one g (one all-reduce) in forward. gate and up
+  read the same input, so it enters the parallel region once (one f; under sequence parallelism one
+  all-gather, gate's and up's shards multiplied as one matrix), as the GELU MLP's `fc` does.
+  Megatron-LM stores the two as one `linear_fc1` of 2 ffn outputs (`gated_linear_unit`); torchtitan
+  keeps w1 and w3 apart, ColwiseParallel each, behind one PrepareModuleInput that gathers their input.
+* grouped-query attention (Ainslie et al. 2023): qkv's rows go by query group (model.py), so rank i's
+  block of rows is kv_heads/T whole key/value heads with the heads/T query heads that read them,
+  and proj's block of columns is those query heads' output. T must divide kv_heads: Megatron-LM
+  splits `num_query_groups` the same way (`divide(num_query_groups, tp)` in its Attention, which
+  asserts it) and never copies a key/value head. vLLM (inference) instead keeps one key/value head
+  per rank, each on tp/kv_heads ranks (`num_kv_head_replicas` in its QKVParallelLinear), when tp >=
+  kv_heads; training would then have to sum those copies' gradients, which this module does not do:
+  such a T is refused (`ParallelAttention` raises ValueError; the step names the numbers).
+* RoPE rotates q and k inside the attention, after qkv, by the positions the model gives every block.
+  Without sequence parallelism every rank holds every position; with it, qkv has just all-gathered
+  them, so the rotation always sees the whole sequence and its global positions 0..t-1, as on one
+  device: no rank ever rotates by its local index.
+* RMSNorm under sequence parallelism is LayerNorm's case: its gain sees this rank's positions only,
+  and its gradient is summed over the group with theirs (`sequence_parallel_parameters`).
+* an untied LM head is a column-parallel matrix of its own (vocabulary rows), the embedding another.
+
 `apply_tensor_parallel(model, group)` cuts a TinyGPT in place, slicing the dense weights, so a
 dense model and its parallel version start identical; `TensorParallelStep` is the step of the
 composition (compose.py) that applies it to each model chunk.
@@ -40,8 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..estimate.shapes import family_options
-from ..model import MLP, CausalSelfAttention
+from ..model import MLP, CausalSelfAttention, SwiGLU
 from .clip import count_once
 from .step import Step
 
@@ -251,12 +275,22 @@ class SequenceParallelScatter(nn.Module):
 class ParallelAttention(CausalSelfAttention):
     """Causal self-attention on this rank's H/T heads: q, k, v column-parallel, the output
     projection row-parallel. The dense module's own forward runs unchanged: it reads the number
-    of heads off qkv's output. Attention itself needs no communication: heads are independent."""
+    of heads off qkv's output. Attention itself needs no communication: heads are independent.
+
+    With grouped-query attention the rank's block of qkv rows is kv_heads/T query groups (each its
+    r query heads, then its key and value head), so r = heads / kv_heads is the same on every rank
+    and the forward finds kv_heads/T groups in its rows. T must divide kv_heads (ValueError
+    otherwise): a rank cannot hold part of a key/value head's readers without the head."""
 
     def __init__(self, attn: CausalSelfAttention, group=None, *, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.head_dim, self.dropout = attn.head_dim, attn.dropout
-        self.q_per_kv, self.rope_theta = attn.q_per_kv, attn.rope_theta  # the same on every rank
+        self.q_per_kv, self.rope_theta = attn.q_per_kv, attn.rope_theta
+        kv_heads, ranks = attn.qkv.out_features // (attn.head_dim * (attn.q_per_kv + 2)), comm.get_world_size(group)
+        if kv_heads % ranks:
+            raise ValueError(f"ParallelAttention: {kv_heads} key/value heads (query groups) do not split over {ranks} "
+                             f"tensor-parallel ranks; use a group size that divides {kv_heads} (Megatron-LM refuses "
+                             "it too)")
         self.qkv = ColumnParallelLinear(attn.qkv, group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(attn.proj, group, sequence_parallel=sequence_parallel)
 
@@ -269,6 +303,41 @@ class ParallelMLP(MLP):
         nn.Module.__init__(self)
         self.fc = ColumnParallelLinear(mlp.fc, group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(mlp.proj, group, sequence_parallel=sequence_parallel)
+
+
+class ParallelSwiGLU(SwiGLU):
+    """down(SiLU(gate(x)) * up(x)) on this rank's ffn/T units: gate and up column-parallel (the
+    same units of each), down row-parallel, so the gating is local and one g sums down's partial
+    outputs. x enters once for both: f (or the sequence-parallel all-gather) is applied to it a
+    single time and the two shards multiply it as one [gate; up] matrix, so the MLP communicates
+    what the GELU MLP does (estimate/tp_comm.py counts the same collectives for both)."""
+
+    def __init__(self, mlp: SwiGLU, group=None, *, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gate = ColumnParallelLinear(mlp.gate, group, sequence_parallel=sequence_parallel)
+        self.up = ColumnParallelLinear(mlp.up, group, sequence_parallel=sequence_parallel)
+        self.down = RowParallelLinear(mlp.down, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            both = [self.gate, self.up]
+            bias = None if self.gate.bias is None else torch.cat([m.bias for m in both])
+            y = _SequenceParallelLinear.apply(x, torch.cat([m.weight for m in both]), bias, self.group)
+            gate, up = y.split(self.gate.weight.shape[0], dim=-1)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+            gate, up = F.linear(x, self.gate.weight, self.gate.bias), F.linear(x, self.up.weight, self.up.bias)
+        return self.down(F.silu(gate) * up)
+
+
+def parallel_mlp(mlp: nn.Module, group=None, *, sequence_parallel: bool = False) -> nn.Module:
+    """The block's MLP cut over `group`: GELU's (`ParallelMLP`) or SwiGLU's (`ParallelSwiGLU`)."""
+    for dense, parallel in ((SwiGLU, ParallelSwiGLU), (MLP, ParallelMLP)):
+        if isinstance(mlp, dense):
+            return parallel(mlp, group, sequence_parallel=sequence_parallel)
+    raise ValueError(f"tensor parallelism cuts a GELU MLP or a SwiGLU, not a {type(mlp).__name__} (a mixture of "
+                     "experts is expert parallelism's)")
 
 
 # ====================================================================== the loss on vocabulary shards
@@ -325,7 +394,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, *, sequence_parallel: bo
 
     The group's first rank's dense weights are broadcast, then every rank keeps its slices:
     the parallel model computes what the dense one does. The tied LM head and the embedding
-    share their vocabulary shard; the -inf padding of the logits is sliced with them. Under
+    share their vocabulary shard (an untied head is cut by the same rows, a matrix of its own);
+    the -inf padding of the logits is sliced with them. Under
     sequence parallelism the residual stream between the parallel regions holds s/T positions
     from the embeddings' dropout to the LM head's input.
     """
@@ -333,7 +403,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, *, sequence_parallel: bo
         comm.broadcast(tensor.data, src=comm.global_rank(group, 0), group=group)
     for block in model.blocks.values():
         block.attn = ParallelAttention(block.attn, group, sequence_parallel=sequence_parallel)
-        block.mlp = ParallelMLP(block.mlp, group, sequence_parallel=sequence_parallel)
+        block.mlp = parallel_mlp(block.mlp, group, sequence_parallel=sequence_parallel)
     tied = model.tok_emb is not None and model.lm_head is not None and model.lm_head.weight is model.tok_emb.weight
     if model.tok_emb is not None:
         model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
@@ -360,7 +430,8 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Replicated parameters that see only this rank's positions under sequence parallelism, so
-    that each rank's gradient is a partial sum: the LayerNorms and the row-parallel biases."""
+    that each rank's gradient is a partial sum: the norms (LayerNorm's weight and bias, RMSNorm's
+    gain) and the row-parallel biases."""
     rows = [m for m in model.modules() if isinstance(m, RowParallelLinear) and m.sequence_parallel]
     if not rows:
         return []
@@ -392,14 +463,17 @@ class TensorParallelStep(Step):
     @classmethod
     def problems(cls, config, model=None, microbatches=None):
         out = []
-        if model is not None and config.tp > 1 and family_options(model):
-            out.append(f"--tp {config.tp}: tensor parallelism does not cut the Llama family's "
-                       f"{', '.join(family_options(model))} yet (model {model.name}); use --tp 1 or a GPT preset")
         if model is not None:
             for what, size in (("heads", model.heads), ("hidden size", model.hidden),
                                ("padded vocabulary", model.padded_vocab)):
                 if size % config.tp:
                     out.append(f"--tp {config.tp} must divide the model's {what} ({size})")
+            if model.n_kv_heads != model.heads and model.n_kv_heads % config.tp:
+                out.append(f"--tp {config.tp} must divide the model's key/value heads ({model.n_kv_heads}): each rank "
+                           f"keeps whole key/value heads with their query heads, as Megatron-LM splits its query "
+                           f"groups (it copies no key/value head); use a --tp that divides {model.n_kv_heads}")
+            if model.ffn % config.tp and model.ffn != 4 * model.hidden:  # 4 hidden: the hidden size's line says it
+                out.append(f"--tp {config.tp} must divide the model's MLP width (ffn_hidden {model.ffn})")
             if config.sequence_parallel and model.seq_len % config.tp:
                 out.append(f"--sequence-parallel needs --tp {config.tp} to divide the sequence length "
                            f"({model.seq_len})")

@@ -25,7 +25,7 @@ from .figure import NotebookFigure, bytes_axis, figure_png
 from .memory import preset_label
 from ..estimate.flops import TYPICAL_MFU
 from ..estimate.machines import MACHINES
-from ..estimate.shapes import PRESETS, preset_shape
+from ..estimate.shapes import PRESETS, preset_shape, tensor_parallel_problems
 from ..estimate.memory import RECOMPUTE
 from ..estimate.tp_comm import PHASES, step_cost
 from ..units import format_bytes
@@ -44,9 +44,10 @@ RUN_KEYS = ("model", "seq_len", "vocab", "tp", "sequence_parallel", "micro_batch
             "bytes_per_element", "recompute")  # what a run's counts depend on: the widget must match them to compare
 
 
-def tp_choices(heads: int) -> list[int]:
-    """The tensor-parallel degrees offered for a model: those that divide its heads."""
-    return [t for t in TP_DEGREES if heads % t == 0]
+def tp_choices(cfg) -> list[int]:
+    """The tensor-parallel degrees offered for a model (a ModelConfig): those that split its heads, its
+    key/value heads and its MLP width into whole pieces (`shapes.tensor_parallel_problems`)."""
+    return [t for t in TP_DEGREES if not tensor_parallel_problems(cfg, t)]
 
 
 def format_time(seconds: float) -> str:
@@ -195,9 +196,10 @@ class CommCounterWidget:
         self.vocab = settings["vocab"]
         cfg = preset_shape(settings["model"], self.vocab, seq_len=settings["seq_len"])
         settings["seq_len"] = cfg.seq_len
-        if settings["tp"] not in tp_choices(cfg.heads):
-            raise ValueError(f"T = {settings['tp']} is not offered for {cfg.name} ({cfg.heads} heads): choose one "
-                             f"of {tp_choices(cfg.heads)}")
+        if settings["tp"] not in tp_choices(cfg):
+            raise ValueError(f"T = {settings['tp']} is not offered for {cfg.name} ({cfg.heads} heads, {cfg.n_kv_heads} "
+                             f"key/value heads, MLP width {cfg.ffn}): choose one "
+                             f"of {tp_choices(cfg)}")
         # Every description fits its 180 px label and every menu entry its box (tests measure them):
         # the model menu is wide enough for "gpt2-medium (analysis shape: ...)", the rest share one width.
         style, wide, narrow = {"description_width": "180px"}, W.Layout(width="680px"), W.Layout(width="440px")
@@ -206,7 +208,7 @@ class CommCounterWidget:
                                 description="model", style=style, layout=wide),
             "seq_len": W.BoundedIntText(value=cfg.seq_len, min=1, max=10_000_000, description="sequence length",
                                         style=style, layout=narrow),
-            "tp": W.Dropdown(options=tp_choices(cfg.heads), value=settings["tp"], description="tensor parallel T",
+            "tp": W.Dropdown(options=tp_choices(cfg), value=settings["tp"], description="tensor parallel T",
                              style=style, layout=narrow),
             "sequence_parallel": W.Checkbox(value=settings["sequence_parallel"], description="sequence parallel",
                                             style=style, layout=narrow),
@@ -246,7 +248,7 @@ class CommCounterWidget:
         keep = tp.value
         self._holding = True
         try:
-            tp.options = tp_choices(cfg.heads)
+            tp.options = tp_choices(cfg)
             tp.value = max(t for t in tp.options if t <= keep)
             self.controls["seq_len"].value = cfg.seq_len
         finally:
