@@ -46,8 +46,7 @@ from .estimate.shapes import CPU_PRESETS, DEFAULT_PRESET, GPT2_VOCAB, PRESETS, M
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021, "RoFormer", Sec. 3.2, eq. 15, computed elementwise as
-    their eq. 34) of `x`, shaped
-    (..., t, head_dim), for the `positions` (t,) of its t rows.
+    their eq. 34) of `x`, shaped (..., t, head_dim), for the `positions` (t,) of its t rows.
 
     Features 2i and 2i + 1 of a row at position m are turned by the angle m theta_i, with
     theta_i = theta^(-2i / head_dim), i = 0 .. head_dim / 2 - 1:

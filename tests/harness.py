@@ -31,6 +31,10 @@ NANO_10 = ("--model", "nano", "--steps", "10", "--global-batch", "8", "--sample-
 # micro's 4 layers: 2 chunks on each of 2 stages, or one layer on each of 4
 MICRO = ("--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
          "--eval-batches", "1")
+# llama-micro (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head): its 4 layers at
+# micro's settings, and 8 sampled characters, which sequence parallelism pads and RoPE rotates
+LLAMA = ("--model", "llama-micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "8",
+         "--eval-batches", "1")
 
 # Planted bugs, each a list of (module, [(anchor, replacement), ...]): the one place their anchors live.
 PLANTS = {

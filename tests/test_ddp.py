@@ -7,7 +7,7 @@ import pytest
 
 from labsupport.launch import RankFailed, launch
 from conftest import cases_on_ranks, cli
-from harness import assert_same_as_single, planted, prefetch, single, train
+from harness import LLAMA, assert_same_as_single, planted, prefetch, single, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -249,7 +249,8 @@ def test_replicas_that_differ_are_refused_without_broadcast(tmp_path):
 def runs():
     """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
     prefetch(("single", 1, ()), ("ddp", 2, ()),  # the --bucket-mb runs read their own launch's trace
-             *[(s, n, e) for s, n, e in RUNS if "--bucket-mb" not in e])
+             *[(s, n, e) for s, n, e in RUNS if "--bucket-mb" not in e],
+             ("single", 1, (), LLAMA), *[(s, n, e, LLAMA) for s, n, e in LLAMA_RUNS])
 
 
 RUNS = [
@@ -262,6 +263,8 @@ RUNS = [
     ("torch-ddp", 4, []),
     ("accelerate-ddp", 2, []),
 ]
+# llama-micro's runs (harness.LLAMA): the data-parallel strategies average whatever the model is
+LLAMA_RUNS = [("ddp", 2, []), ("torch-ddp", 2, [])]
 
 
 @pytest.mark.slow
@@ -275,6 +278,14 @@ def test_strategy_matches_single_step_by_step(runs, strategy, nproc, extra):
         backward_end = max(e["end"] for e in trace if e["op"] == "backward")
         starts = [e["start"] for e in trace if e["op"] == "all_reduce"]
         assert starts and min(starts) < backward_end, "no bucket was launched during backward: no overlap"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", LLAMA_RUNS)
+def test_the_llama_family_matches_single_step_by_step(runs, strategy, nproc, extra):
+    out = train(strategy, nproc, *extra, settings=LLAMA)
+    assert out["world_size"] == nproc and out["model"]["mlp"] == "swiglu"
+    assert_same_as_single(out, single(settings=LLAMA), params="whole")
 
 
 @pytest.mark.slow

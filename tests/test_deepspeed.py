@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from harness import assert_same_as_single, assert_traffic_in, resume, single, train
+from harness import LLAMA, assert_same_as_single, assert_traffic_in, resume, single, train
 from labsupport.ds_config import ds_config
 from labsupport.parallel import ParallelConfig
 from test_fp16 import LOSS_RTOL, VAL_TOL
@@ -36,6 +36,15 @@ def test_deepspeed_matches_single_step_by_step(stage, nproc, extra):
     out = train("deepspeed", nproc, *extra)
     assert out["world_size"] == nproc and out["parallel"]["zero"] == stage
     assert_same_as_single(out, single(), params="whole")  # the loop's file holds the whole model
+
+
+@pytest.mark.slow
+def test_deepspeed_on_the_llama_family_matches_single_step_by_step():
+    """ZeRO-3 on llama-micro (RMSNorm, SwiGLU, RoPE, grouped-query attention, an untied head): DeepSpeed
+    partitions whatever modules it is given."""
+    out = train("deepspeed", 2, "--zero", "3", settings=LLAMA)
+    assert out["parallel"]["zero"] == 3 and out["model"]["mlp"] == "swiglu"
+    assert_same_as_single(out, single(settings=LLAMA), params="whole")
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import cases_on_ranks, cli, planted_copy
-from harness import NANO, assert_same_as_single, assert_traffic_in, prefetch, single, train
+from harness import LLAMA, NANO, assert_same_as_single, assert_traffic_in, prefetch, single, train
 from labsupport.estimate.tp_comm import total, tp_comm
 
 pytestmark = pytest.mark.multiprocess
@@ -175,11 +175,6 @@ def runs():
     prefetch(("single", 1, ()), ("single", 1, (), LLAMA), *RUNS)
 
 
-# llama-micro (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head): its 4 layers at
-# micro's settings in the harness (16 positions, 6 steps), and 8 sampled characters, which sequence
-# parallelism pads and RoPE rotates
-LLAMA = ("--model", "llama-micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "8",
-         "--eval-batches", "1")
 RUNS = [
     ("tp", 2, ["--tp", "2"], NANO),
     ("tp", 2, ["--tp", "2", "--sequence-parallel", "--micro-batch", "4"], NANO),

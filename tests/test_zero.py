@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import cases_on_ranks, cli
-from harness import NANO, assert_same_as_single, assert_traffic_in, prefetch, resume, single, train
+from harness import LLAMA, NANO, assert_same_as_single, assert_traffic_in, prefetch, resume, single, train
 from labsupport import checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -178,13 +178,15 @@ RUNS = [
     ("zero3", 2, ["--micro-batch", "2"]),                 # a reduce-scatter per micro-batch, accumulated in the shard
     ("zero3", 4, ["--micro-batch", "1"]),  # zero1 and zero2 on 4 ranks: the tiny-model test above
 ]
+# llama-micro's runs (harness.LLAMA): each stage shards whatever the model holds
+LLAMA_RUNS = [("zero1", 2, []), ("zero2", 2, []), ("zero3", 2, [])]
 
 
 @pytest.fixture(scope="module")
 def runs():
     """This file's runs, trained ahead in one launch per world size (harness.prefetch)."""
     prefetch(("single", 1, ()), ("single", 1, ("--dtype", "bf16")), ("ddp", 2, ()), ("zero3", 2, ("--dtype", "bf16")),
-             *RUNS, ("hsdp", 4, HSDP))
+             *RUNS, ("hsdp", 4, HSDP), ("single", 1, (), LLAMA), *[(s, n, e, LLAMA) for s, n, e in LLAMA_RUNS])
 
 
 @pytest.mark.slow
@@ -194,6 +196,14 @@ def test_zero_matches_single_step_by_step(runs, strategy, nproc, extra):
     assert out["world_size"] == nproc and out["parallel"]["zero"] == int(strategy[-1])
     # ZeRO-3: rank 0's file holds its shard: of each parameter, the first elements or none
     assert_same_as_single(out, single(), params="flat" if strategy == "zero3" else "whole")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", LLAMA_RUNS)
+def test_the_llama_family_matches_single_step_by_step(runs, strategy, nproc, extra):
+    out = train(strategy, nproc, *extra, settings=LLAMA)
+    assert out["parallel"]["zero"] == int(strategy[-1]) and out["model"]["mlp"] == "swiglu"
+    assert_same_as_single(out, single(settings=LLAMA), params="flat" if strategy == "zero3" else "whole")
 
 
 HSDP = ("--dp-replicate", "2", "--micro-batch", "1")  # 2 replicas of 2 ranks, in the 4-rank launch of zero3's

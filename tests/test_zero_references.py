@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from conftest import cli
-from harness import assert_same_as_single, prefetch, resume, single, train
+from harness import LLAMA, assert_same_as_single, prefetch, resume, single, train
 from labsupport.launch import launch
 from labsupport.parallel import ParallelConfig
 
@@ -32,10 +32,22 @@ RUNS = [
 ]
 
 
+# llama-micro's runs (harness.LLAMA): torch's FSDP2 and ZeRO-1 shard it as they shard nano
+LLAMA_RUNS = [("torch-fsdp", 2, []), ("torch-zero1", 2, [])]
+
+
 @pytest.fixture(scope="module")
 def runs():
     """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
-    prefetch(("single", 1, ()), *RUNS)
+    prefetch(("single", 1, ()), *RUNS, ("single", 1, (), LLAMA), *[(s, n, e, LLAMA) for s, n, e in LLAMA_RUNS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, extra", LLAMA_RUNS)
+def test_the_llama_family_matches_single_step_by_step(runs, strategy, nproc, extra):
+    out = train(strategy, nproc, *extra, settings=LLAMA)
+    assert out["model"]["mlp"] == "swiglu"
+    assert_same_as_single(out, single(settings=LLAMA), params="rows" if strategy == "torch-fsdp" else "whole")
 
 
 @pytest.mark.slow
