@@ -31,6 +31,11 @@ NANO_10 = ("--model", "nano", "--steps", "10", "--global-batch", "8", "--sample-
 # micro's 4 layers: 2 chunks on each of 2 stages, or one layer on each of 4
 MICRO = ("--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
          "--eval-batches", "1")
+# the Llama family's CPU preset (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head):
+# 4 layers, one per stage at pp 4; 32 positions, 4 chunks for the ring at cp 2; a short sample (every rank
+# takes part, the ring paused)
+LLAMA_MICRO = ("--model", "llama-micro", "--seq-len", "32", "--steps", "6", "--global-batch", "8", "--sample-chars",
+               "8", "--eval-batches", "1")
 
 # Planted bugs, each a list of (module, [(anchor, replacement), ...]): the one place their anchors live.
 PLANTS = {
