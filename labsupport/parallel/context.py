@@ -43,10 +43,11 @@ head g, as SDPA's `enable_gqa` pairs them). The ring passes K and V as they are,
 bytes (and the dK, dV sums of the backward) are kv_heads / heads of multi-head attention's
 (estimate/context.py, `ring_traffic`'s `kv_hidden`); each block's kernel reads the grouped heads
 itself (torch's fused CPU kernel does; "math" groups the queries by their key/value head), so no
-rank ever holds K or V repeated over the query heads. Repeating them before the ring, as a model that
-calls `repeat_kv` before SDPA hands them to the ring (torchtitan's Llama under torch's
-`context_parallel`), computes the same and sends r times the bytes. Megatron-LM's context
-parallelism (Transformer Engine's P2P ring) also passes the K/V of the `num_query_groups` heads.
+rank ever holds K or V repeated over the query heads. Repeating them before the ring computes the same
+and sends r times the bytes: torchtitan's Llama 3 (models/llama3/model/model.py) calls `repeat_kv` before
+its SDPA, so torch's `context_parallel`, which replaces that SDPA by its ring, passes every query head's
+copy. Megatron-LM's context parallelism (Transformer Engine's P2P ring) passes the K/V of the
+`num_query_groups` heads, as here.
 RoPE rotates q and k by their *global* positions before the scores (model.py's `rotate`), so a K
 block carries its rotation with it around the ring and every score is single's: the positions
 are the rank's chunks' (`positions`: with the balanced split, chunk r and chunk 2 cp - 1 - r), which
