@@ -275,6 +275,14 @@ def test_grouped_query_attention_shrinks_the_rings_bytes_by_heads_over_kv_heads(
     assert m["in_flight"] * 4 == mha["in_flight"] == 4 * 2048 * 4096 * 2
     assert mha["saved"] - m["saved"] == 2 * 2048 * (4096 - 1024) * 2  # k and v kept grouped
     assert attention_memory(8192, 1, 4096, 32, 4, kv_hidden=4096) == mha
+    # a stage's and a layer's activations under CP differ by the blocks in flight only (tp 2: each rank its half)
+    saved = attention_memory(8192, 1, 2048, 16, 4)["in_flight"] - attention_memory(8192, 1, 2048, 16, 4,
+                                                                                    kv_hidden=512)["in_flight"]
+    assert saved == 4 * 2048 * (2048 - 512) * 2
+    assert stage_activation_bytes(32, 8192, 1, 4096, 32, 4, 2, "selective", kv_hidden=kv_hidden) == \
+        stage_activation_bytes(32, 8192, 1, 4096, 32, 4, 2, "selective") - saved
+    assert activation_bytes(8192, 1, 4096, 32, cp=4, tp=2, kv_hidden=kv_hidden) == \
+        activation_bytes(8192, 1, 4096, 32, cp=4, tp=2) - saved
 
 
 def test_memory_is_the_papers_six_blocks_and_the_layer_divided_by_cp():

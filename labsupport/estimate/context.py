@@ -72,36 +72,41 @@ def attention_memory(seq_len: int, micro_batch: int, hidden: int, heads: int, cp
 
 
 def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1, tp: int = 1,
-                     sequence_parallel: bool = False, dtype_bytes: int = 2) -> int:
+                     sequence_parallel: bool = False, dtype_bytes: int = 2, *, kv_hidden: int | None = None) -> int:
     """One transformer layer's activations per rank under CP: the layer's activations divided by cp,
     plus the K/V blocks in flight.
 
     Every activation Korthikanti et al. 2022 count (memory.activation_bytes_per_layer) belongs to
     one position, so each rank keeps them for its s / cp positions. Ring attention stores no
-    scores (the 5 a s^2 b term), as with selective recomputation. In flight: `attention_memory`.
+    scores (the 5 a s^2 b term), as with selective recomputation. In flight: `attention_memory`, of K/V
+    `kv_hidden` wide (kv_heads x head_dim, all TP ranks' together; default `hidden`).
     """
     per_rank = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
                                           sequence_parallel=sequence_parallel, recompute="selective")
-    local_hidden = hidden // tp
-    return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes)["in_flight"]
+    local_hidden, kv_hidden = hidden // tp, (hidden if kv_hidden is None else kv_hidden) // tp
+    return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes,
+                                       kv_hidden=kv_hidden)["in_flight"]
 
 
 def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int,
                            tp: int = 1, recompute: str = "none", dtype_bytes: int = 2, *,
-                           sequence_parallel: bool = False) -> int:
+                           sequence_parallel: bool = False, kv_hidden: int | None = None) -> int:
     """What the first pipeline stage keeps under CP: `n_layers` layers' activations for s / cp
     positions, plus the K/V blocks in flight once.
 
     As `memory.estimate_memory` counts a stage (L layers' worth under 1F1B, Korthikanti et al. 2022,
     Sec 4.2.3), each layer divided by cp as in `activation_bytes`, without scores (ring attention
     stores none, so "none" keeps what "selective" keeps); full recomputation keeps each layer's
-    input only. The received blocks live while one layer's attention runs, so they count once.
+    input only. The received blocks live while one layer's attention runs, so they count once; they are
+    `kv_hidden` wide (grouped-query attention's kv_heads x head_dim over all TP ranks; default `hidden`).
     `sequence_parallel` shards what plain TP leaves replicated (Korthikanti Sec 4.2.2).
     """
     kept = "full" if recompute == "full" else "selective"
     per_layer = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=kept)
-    in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes)["in_flight"]
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes,
+                                 kv_hidden=kv_hidden // tp)["in_flight"]
     return n_layers * per_layer + in_flight
 
 

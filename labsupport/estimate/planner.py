@@ -259,7 +259,7 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
     if cp == 1:
         return est["total"]
     activations = stage_activation_bytes(cfg.n_layers, cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
-                                         recompute, ACTIVATION_BYTES)
+                                         recompute, ACTIVATION_BYTES, kv_hidden=cfg.n_kv_heads * cfg.head_dim)
     return est["total"] - est["activations"] + activations * BYTES_PER_PARAM[precision]["params"] // 2
 
 
