@@ -383,3 +383,6 @@ def test_the_split_functions_refuse_before_any_communication():
     q = torch.zeros(1, 1, 3, 2)
     with pytest.raises(ValueError, match="sequence length 3 does not split into 2 x cp = 2 chunks"):
         ring_attention(q, q, q)
+    q, k = torch.zeros(1, 4, 4, 2), torch.zeros(1, 3, 4, 2)  # 3 key/value heads cannot serve 4 query heads
+    with pytest.raises(ValueError, match="a number of heads that divides the queries'"):
+        ring_attention(q, k, k)
