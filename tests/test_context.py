@@ -121,6 +121,7 @@ RANKS = textwrap.dedent(f'''
         llama = ModelConfig("t", n_layers=1, hidden=HEADS * HEAD_DIM, heads=HEADS, vocab=8, seq_len=SEQ,
                             kv_heads=KV_HEADS, positions="rope", bias=False)
         attention = CausalSelfAttention(llama)
+        x = x.detach().requires_grad_()  # a gradient of its own, not added to the GPT module's
         y_ref = attention(x)
         y_ref.backward(grad.transpose(1, 2).reshape(B, SEQ, -1))
         dense_grads = {{n: p.grad.clone() for n, p in attention.named_parameters()}}
