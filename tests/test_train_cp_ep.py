@@ -88,11 +88,20 @@ def test_expert_parallel_on_swiglu_experts_equals_single(runs):
     """--model llama-micro --experts 4 --ep 2: each rank 2 of the 4 SwiGLU experts (gate, up, down); the
     all-to-alls move token rows of hidden elements, whatever the expert's shape (estimate/experts.py's
     moe_comm); single's micro-batch is the ep group's (here the whole batch)."""
+    from labsupport.estimate.experts import moe_comm
+    from labsupport.estimate.shapes import get_preset
     out = train("ddp", 2, "--ep", "2", settings=LLAMA_MOE)
     ref = single(settings=LLAMA_MOE)
     assert_same_as_single(out, ref, val_tol=None)
     assert_traffic_in(out, {"ep", "dp"}, exact=True)
     assert out["expert_load"] == ref["expert_load"]
+    # the step's ep traffic, summed over the ranks: each layer's moe_comm for the 8 x 32 tokens routed together
+    cfg = get_preset("llama-micro")
+    layer = moe_comm(8 * 32, cfg.hidden, 2, 4, 2)  # no capacity: nothing dropped
+    for op in ("all_to_all", "all_gather"):
+        want = {k: cfg.n_layers * sum(phase.get(op, {}).get(k, 0) for phase in layer.values())
+                for k in ("calls", "payload_bytes")}
+        assert {k: sum(g["ep"][op][k] for g in out["comm_groups"]) for k in want} == want, op
 
 
 @pytest.mark.multiprocess
