@@ -31,10 +31,11 @@ NANO_10 = ("--model", "nano", "--steps", "10", "--global-batch", "8", "--sample-
 # micro's 4 layers: 2 chunks on each of 2 stages, or one layer on each of 4
 MICRO = ("--model", "micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "0",
          "--eval-batches", "1")
-# llama-micro (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head): its 4 layers at
-# micro's settings, and 8 sampled characters, which sequence parallelism pads and RoPE rotates
-LLAMA = ("--model", "llama-micro", "--seq-len", "16", "--steps", "6", "--global-batch", "8", "--sample-chars", "8",
-         "--eval-batches", "1")
+# the Llama family's CPU preset (RMSNorm, SwiGLU, RoPE, 4 query heads on 2 key/value heads, an untied head):
+# 4 layers, one per stage at pp 4; 32 positions, 4 chunks for the ring at cp 2; a short sample (every rank
+# takes part, the ring paused); the last step's checkpoint, for the parameters
+LLAMA = ("--model", "llama-micro", "--seq-len", "32", "--steps", "6", "--global-batch", "8", "--sample-chars",
+         "8", "--eval-batches", "1", "--checkpoint-every", "6")
 
 # Planted bugs, each a list of (module, [(anchor, replacement), ...]): the one place their anchors live.
 PLANTS = {
@@ -116,7 +117,7 @@ with runtime.init() as rt:
         runtime.report(**train(args, rt, cfg, config), strategy=args.strategy, world_size=rt.world_size)
 """
 # Ours, and torch's references; not Accelerate's or DeepSpeed's, whose runs leave state in the process
-BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d",
+BATCHED = {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "cp", "3d",
            "torch-ddp", "torch-zero1", "torch-fsdp", "torch-tp", "torch-pp", "accelerate-fsdp"}
 
 

@@ -11,7 +11,11 @@ that count and reports:
   then removed, the module is dense again;
 - the scores each rank computes, plain and balanced (deterministic counts, not times);
 - one forward + backward's comm counters, the bytes saved for backward and the K/V buffers
-  received and alive at once, against the estimate.
+  received and alive at once, against the estimate;
+- the same with grouped-query attention (KV_HEADS key/value heads for HEADS query heads): the ring
+  passes the grouped K/V, HEADS / KV_HEADS fewer bytes, and the Llama family's attention (GQA, RoPE)
+  under the library object equals it dense when it rotates by the rank's global positions, not by
+  its local indices.
 """
 import textwrap
 
@@ -25,6 +29,7 @@ from labsupport.estimate.params import count_params
 from labsupport.estimate.shapes import get_preset
 
 B, HEADS, HEAD_DIM, SEQ = 2, 2, 4, 16  # 2 cp = 8 chunks of 2 positions on 4 ranks
+KV_HEADS = 1  # grouped-query attention's cases: both query heads read one key/value head (multi-query)
 SPLITS = [f"{split} {kernel}" for split in ("balanced", "plain") for kernel in ("flash", "math")]
 
 RANKS = textwrap.dedent(f'''
@@ -33,9 +38,9 @@ RANKS = textwrap.dedent(f'''
     from labsupport import comm, init, report
     from labsupport.metrics import ActivationMeter
     from labsupport.model import CausalSelfAttention, ModelConfig
-    from labsupport.parallel.context import apply_context_parallel, ring_attention, shard_sequence
+    from labsupport.parallel.context import apply_context_parallel, positions, ring_attention, shard_sequence
 
-    B, HEADS, HEAD_DIM, SEQ = {B}, {HEADS}, {HEAD_DIM}, {SEQ}
+    B, HEADS, HEAD_DIM, SEQ, KV_HEADS = {B}, {HEADS}, {HEAD_DIM}, {SEQ}, {KV_HEADS}
 
     def rel(got, want):
         return ((got - want).abs().max() / want.abs().max()).item()
@@ -62,27 +67,29 @@ RANKS = textwrap.dedent(f'''
         rank, cp = rt.rank, rt.world_size
         g = torch.Generator().manual_seed(0)
         q, k, v, grad = (torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=g) for _ in range(4))
-        dense = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*dense, is_causal=True)
-        ref.backward(grad)
-        for balanced, kernel in [(True, "flash"), (False, "flash"), (True, "math"), (False, "math")]:
-            split = ("balanced " if balanced else "plain ") + kernel
-            mine = [shard_sequence(t, rank, cp, balanced, dim=2).requires_grad_() for t in (q, k, v)]
-            counts = {{"forward": 0, "backward": 0}}
-            received = comm.batch_isend_irecv = Received()
-            comm.reset()
-            with ActivationMeter().measure() as meter:
-                o = ring_attention(*mine, group=group, balanced=balanced, kernel=kernel, counts=counts)
-            out[split + " received peak"] = received.peak
-            o.backward(shard_sequence(grad, rank, cp, balanced, dim=2))
-            comm.batch_isend_irecv = received.inner
-            out[split + " comm"] = comm.group_counts().get("cp", {{}})
-            out[split + " saved"] = meter.peak
-            out[split + " scores"] = counts
-            out[split + " errors"] = {{name: rel(got, shard_sequence(want, rank, cp, balanced, dim=2))
-                                      for name, got, want in [("out", o, ref), ("dq", mine[0].grad, dense[0].grad),
-                                                              ("dk", mine[1].grad, dense[1].grad),
-                                                              ("dv", mine[2].grad, dense[2].grad)]}}
+        k_grouped, v_grouped = k[:, :KV_HEADS].clone(), v[:, :KV_HEADS].clone()
+        for prefix, (k, v) in (("", (k, v)), ("gqa ", (k_grouped, v_grouped))):  # multi-head, then grouped K/V
+            dense = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=bool(prefix))
+            ref.backward(grad)
+            for balanced, kernel in [(True, "flash"), (False, "flash"), (True, "math"), (False, "math")]:
+                split = prefix + ("balanced " if balanced else "plain ") + kernel
+                mine = [shard_sequence(t, rank, cp, balanced, dim=2).requires_grad_() for t in (q, k, v)]
+                counts = {{"forward": 0, "backward": 0}}
+                received = comm.batch_isend_irecv = Received()
+                comm.reset()
+                with ActivationMeter().measure() as meter:
+                    o = ring_attention(*mine, group=group, balanced=balanced, kernel=kernel, counts=counts)
+                out[split + " received peak"] = received.peak
+                o.backward(shard_sequence(grad, rank, cp, balanced, dim=2))
+                comm.batch_isend_irecv = received.inner
+                out[split + " comm"] = comm.group_counts().get("cp", {{}})
+                out[split + " saved"] = meter.peak
+                out[split + " scores"] = counts
+                out[split + " errors"] = {{name: rel(got, shard_sequence(want, rank, cp, balanced, dim=2))
+                                          for name, got, want in [("out", o, ref), ("dq", mine[0].grad, dense[0].grad),
+                                                                  ("dk", mine[1].grad, dense[1].grad),
+                                                                  ("dv", mine[2].grad, dense[2].grad)]}}
 
         # the library object on the model's attention: x -> qkv -> attention -> proj
         cfg = ModelConfig("t", n_layers=1, hidden=HEADS * HEAD_DIM, heads=HEADS, vocab=8, seq_len=SEQ)
@@ -109,6 +116,31 @@ RANKS = textwrap.dedent(f'''
         out["module scores"] = cp_on.counts
         cp_on.remove()
         out["removed is dense"] = rel(attention(x), y_ref)
+
+        # the Llama family's attention: grouped K/V and RoPE, rotated by each rank's global positions
+        llama = ModelConfig("t", n_layers=1, hidden=HEADS * HEAD_DIM, heads=HEADS, vocab=8, seq_len=SEQ,
+                            kv_heads=KV_HEADS, positions="rope", bias=False)
+        attention = CausalSelfAttention(llama)
+        x = x.detach().requires_grad_()  # a gradient of its own, not added to the GPT module's
+        y_ref = attention(x)
+        y_ref.backward(grad.transpose(1, 2).reshape(B, SEQ, -1))
+        dense_grads = {{n: p.grad.clone() for n, p in attention.named_parameters()}}
+        attention.zero_grad()
+        cp_on = apply_context_parallel(attention, group, balanced=True)
+        x_mine = shard_sequence(x.detach(), rank, cp).requires_grad_()
+        comm.reset()
+        y = attention(x_mine, positions=positions(SEQ, rank, cp))
+        y.backward(shard_sequence(grad.transpose(1, 2).reshape(B, SEQ, -1), rank, cp))
+        out["llama comm"] = comm.group_counts().get("cp", {{}})
+        errors = {{"out": rel(y, shard_sequence(y_ref, rank, cp)),
+                  "d input": rel(x_mine.grad, shard_sequence(x.grad, rank, cp))}}
+        for n, p in attention.named_parameters():
+            comm.all_reduce(p.grad, group=group)
+            errors["d " + n] = rel(p.grad, dense_grads[n])
+        out["llama errors"] = errors
+        with torch.no_grad():  # RoPE by the local indices 0 .. SEQ / cp - 1: as if every block began the sequence
+            out["llama local positions error"] = rel(attention(x_mine), shard_sequence(y_ref, rank, cp))
+        cp_on.remove()
     report(**{{label: out}})
 ''')
 
@@ -126,9 +158,10 @@ def ranks(request, checks):
 
 @pytest.mark.multiprocess
 def test_ring_attention_equals_dense_causal_attention_outputs_and_gradients(ranks):
+    """Multi-head attention and grouped-query attention (dense: SDPA with enable_gqa), each split and kernel."""
     cp, reports = ranks
     for rank, r in enumerate(reports):
-        for split in SPLITS:
+        for split in SPLITS + [f"gqa {split}" for split in SPLITS]:
             for name, err in r[f"{split} errors"].items():
                 assert err <= 1e-5, f"cp {cp} rank {rank} {split}: {name} differs by {err:.2e} (relative)"
 
@@ -178,6 +211,43 @@ def test_counters_saved_bytes_and_buffers_in_flight_are_the_estimates(ranks):
             assert r[f"{split} received peak"] == memory["in_flight"], (cp, rank, split)
 
 
+@pytest.mark.multiprocess
+def test_the_ring_passes_grouped_kv_heads_over_heads_of_the_bytes_as_the_estimate_says(ranks):
+    """Grouped-query attention: K, V and their gradients' sums travel with KV_HEADS heads, not HEADS: the same
+    calls, HEADS / KV_HEADS fewer bytes, each counter the estimate's with kv_hidden = KV_HEADS x HEAD_DIM; the
+    bytes saved for backward and the buffers in flight likewise (K/V never repeated over the query heads)."""
+    cp, reports = ranks
+    traffic = ring_traffic(SEQ, B, HEADS * HEAD_DIM, cp, dtype_bytes=4, kv_hidden=KV_HEADS * HEAD_DIM)
+    sends = {k: traffic["forward"][k] + traffic["backward"][k] for k in ("calls", "payload_bytes")}
+    memory = attention_memory(SEQ, B, HEADS * HEAD_DIM, HEADS, cp, dtype_bytes=4, kv_hidden=KV_HEADS * HEAD_DIM)
+    for rank, r in enumerate(reports):
+        for split in SPLITS:
+            grouped, full = r[f"gqa {split} comm"], r[f"{split} comm"]
+            for op in ("send", "recv"):
+                assert {k: grouped[op][k] for k in sends} == sends, (cp, rank, split, op)
+                assert grouped[op]["calls"] == full[op]["calls"]
+                assert grouped[op]["payload_bytes"] * HEADS == full[op]["payload_bytes"] * KV_HEADS
+            assert r[f"gqa {split} saved"] == memory["saved"], (cp, rank, split)
+            assert r[f"gqa {split} received peak"] == memory["in_flight"], (cp, rank, split)
+            assert r[f"gqa {split} scores"] == r[f"{split} scores"], "the same blocks, the same scores"
+
+
+@pytest.mark.multiprocess
+def test_the_llama_attention_under_the_ring_equals_it_dense_with_rope_from_global_positions(ranks):
+    """CausalSelfAttention with grouped-query attention and RoPE, its SDPA the ring: the output, the input's and
+    every weight's gradient equal the dense module's when each rank rotates q and k by its chunks' global positions
+    (context.positions: the balanced split's chunk r and 2 cp - 1 - r). Rotated by the local indices instead, every
+    rank's keys would stand at the start of the sequence: the output is off by far more than rounding."""
+    cp, reports = ranks
+    traffic = ring_traffic(SEQ, B, HEADS * HEAD_DIM, cp, dtype_bytes=4, kv_hidden=KV_HEADS * HEAD_DIM)
+    for rank, r in enumerate(reports):
+        assert set(r["llama errors"]) == {"out", "d input", "d qkv.weight", "d proj.weight"}
+        for name, err in r["llama errors"].items():
+            assert err <= 1e-5, f"cp {cp} rank {rank}: {name} differs by {err:.2e} (relative)"
+        assert r["llama local positions error"] > 1e-2, (cp, rank)
+        assert r["llama comm"]["send"]["payload_bytes"] == sum(t["payload_bytes"] for t in traffic.values())
+
+
 def test_the_ring_traffic_is_each_block_going_round_once_forward_and_twice_backward():
     t = ring_traffic(seq_len=8192, micro_batch=1, hidden=4096, cp=4, dtype_bytes=2)
     block = 1 * 2048 * 4096 * 2
@@ -185,6 +255,35 @@ def test_the_ring_traffic_is_each_block_going_round_once_forward_and_twice_backw
     assert t["backward"] == {"calls": 12, "payload_bytes": 6 * block + 6 * 2 * block}  # and dK, dV in fp32
     assert ring_traffic(8192, 1, 4096, cp=1) == {"forward": {"calls": 0, "payload_bytes": 0},
                                                  "backward": {"calls": 0, "payload_bytes": 0}}
+
+
+def test_grouped_query_attention_shrinks_the_rings_bytes_by_heads_over_kv_heads():
+    """Llama 3 8B (32 query heads on 8 key/value heads of 128): K and V are 1024 wide, not 4096, so every byte
+    the ring sends is a quarter of multi-head attention's, in the same calls; what travels and is kept of K/V
+    shrinks alike, the queries, output and log-sum-exp not."""
+    cfg = get_preset("llama3-8b")
+    assert (cfg.heads, cfg.n_kv_heads, cfg.head_dim) == (32, 8, 128)
+    kv_hidden = cfg.n_kv_heads * cfg.head_dim
+    grouped = ring_traffic(8192, 1, cfg.hidden, 4, kv_hidden=kv_hidden)
+    full = ring_traffic(8192, 1, cfg.hidden, 4)
+    block = 1 * 2048 * 1024 * 2
+    assert grouped["forward"] == {"calls": 6, "payload_bytes": 6 * block}
+    assert grouped["backward"] == {"calls": 12, "payload_bytes": 6 * block + 6 * 2 * block}
+    for phase in ("forward", "backward"):
+        assert grouped[phase]["calls"] == full[phase]["calls"]
+        assert grouped[phase]["payload_bytes"] * 4 == full[phase]["payload_bytes"]
+    m, mha = attention_memory(8192, 1, cfg.hidden, 32, 4, kv_hidden=kv_hidden), attention_memory(8192, 1, cfg.hidden, 32, 4)
+    assert m["in_flight"] * 4 == mha["in_flight"] == 4 * 2048 * 4096 * 2
+    assert mha["saved"] - m["saved"] == 2 * 2048 * (4096 - 1024) * 2  # k and v kept grouped
+    assert attention_memory(8192, 1, 4096, 32, 4, kv_hidden=4096) == mha
+    # a stage's and a layer's activations under CP differ by the blocks in flight only (tp 2: each rank its half)
+    saved = attention_memory(8192, 1, 2048, 16, 4)["in_flight"] - attention_memory(8192, 1, 2048, 16, 4,
+                                                                                    kv_hidden=512)["in_flight"]
+    assert saved == 4 * 2048 * (2048 - 512) * 2
+    assert stage_activation_bytes(32, 8192, 1, 4096, 32, 4, 2, "selective", kv_hidden=kv_hidden) == \
+        stage_activation_bytes(32, 8192, 1, 4096, 32, 4, 2, "selective") - saved
+    assert activation_bytes(8192, 1, 4096, 32, cp=4, tp=2, kv_hidden=kv_hidden) == \
+        activation_bytes(8192, 1, 4096, 32, cp=4, tp=2) - saved
 
 
 def test_memory_is_the_papers_six_blocks_and_the_layer_divided_by_cp():
@@ -285,3 +384,6 @@ def test_the_split_functions_refuse_before_any_communication():
     q = torch.zeros(1, 1, 3, 2)
     with pytest.raises(ValueError, match="sequence length 3 does not split into 2 x cp = 2 chunks"):
         ring_attention(q, q, q)
+    q, k = torch.zeros(1, 4, 4, 2), torch.zeros(1, 3, 4, 2)  # 3 key/value heads cannot serve 4 query heads
+    with pytest.raises(ValueError, match="a number of heads that divides the queries'"):
+        ring_attention(q, k, k)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import cases_on_ranks, cli, planted_copy
-from harness import MICRO, assert_same_as_single, assert_traffic_in, planted, prefetch, single, train
+from harness import LLAMA, MICRO, assert_same_as_single, assert_traffic_in, planted, prefetch, single, train
 from labsupport.estimate.schedules import schedule
 from labsupport.parallel import ParallelConfig
 from labsupport.model import ModelConfig
@@ -16,21 +16,26 @@ from labsupport.model import ModelConfig
 # ---------------------------------------------------------------- library level: the dense model beside the stages
 
 DENSE = textwrap.dedent('''
-    """Each case builds the dense TinyGPT (8 layers, random biases) and this stage of a copy of it;
-    ranks after the first perturb their copy of the tied embedding (the first stage's must win).
-    One step of m micro-batches through the schedule against the dense model's mean loss.
-    Every case of this world size runs here, one after the other, each with its own strategy and
-    groups; argv[1] lists them as JSON: (label, strategy or planted module, schedule, chunks, m)."""
+    """Each case builds the dense TinyGPT (8 layers, random biases and norm gains) and this stage of a
+    copy of it; ranks after the first perturb their copy of the (tied) embedding (the first stage's
+    must win). "tiny" is GPT-2's shape, "llama" the Llama family's (RMSNorm, SwiGLU, RoPE, 4 query heads
+    on 2 key/value heads, an untied head, no biases). One step of m micro-batches through the schedule
+    against the dense model's mean loss. Every case of this world size runs here, one after the other,
+    each with its own strategy and groups; argv[1] lists them as JSON: (label, strategy or planted
+    module, schedule, chunks, m, model)."""
     import importlib, json, sys
     import torch
     from labsupport import comm, init, report
+    from labsupport.estimate.shapes import LLAMA
     from labsupport.model import ModelConfig, TinyGPT, lm_loss
     from labsupport.parallel import ParallelConfig, compose, make_strategy
 
-    cfg = ModelConfig("tiny", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8)
+    MODELS = {"tiny": ModelConfig("tiny", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8),
+              "llama": ModelConfig("tiny-llama", n_layers=8, hidden=32, heads=4, vocab=57, seq_len=8, **LLAMA,
+                                   kv_heads=2, ffn_hidden=48)}
 
 
-    def build():
+    def build(cfg):
         torch.manual_seed(0)
         model = TinyGPT(cfg)
         with torch.no_grad():
@@ -40,9 +45,10 @@ DENSE = textwrap.dedent('''
         return model
 
 
-    def check(rt, name, schedule, chunks, m):
+    def check(rt, name, schedule, chunks, m, model_name):
         failures = []
-        dense, mine = build(), build()
+        cfg = MODELS[model_name]
+        dense, mine = build(cfg), build(cfg)
         if rt.rank > 0:
             with torch.no_grad():
                 mine.tok_emb.weight.add_(1.0)
@@ -77,10 +83,11 @@ DENSE = textwrap.dedent('''
         loss = strategy.forward_backward(model, batches)
         counts = comm.group_counts()
         strategy.finish_backward(model)
-        reference = dict(dense.named_parameters())  # the tied matrix once, as tok_emb.weight
+        synced = sorted(comm.group_counts())  # the groups that carried the step's traffic, forward to finish
+        reference = dict(dense.named_parameters())  # a tied matrix once, as tok_emb.weight
         for part in model:
             for pname, p in part.named_parameters():
-                close(f"grad of {pname}", p.grad, reference[pname.replace("lm_head", "tok_emb")].grad)
+                close(f"grad of {pname}", p.grad, reference[pname.replace("lm_head", "tok_emb") if cfg.tied else pname].grad)
         dense_norm = torch.cat([p.grad.flatten() for p in dense.parameters()]).norm()
         close("grad norm", strategy.clip_grad_norm_(model, 1e9), dense_norm)
         close("loss", strategy.reduce_loss(loss), torch.stack(ref_losses).mean())
@@ -89,7 +96,7 @@ DENSE = textwrap.dedent('''
             close("logits", strategy.logits(model, x[:3]), dense(x[:3]))
         state = strategy.model_state(model)
         strategy.load_model_state(model, state)
-        return dict(failures=failures, events=strategy.events, counts=counts, state=sorted(state),
+        return dict(failures=failures, events=strategy.events, counts=counts, synced=synced, state=sorted(state),
                     dense_state=sorted(dense.state_dict()))
 
 
@@ -106,20 +113,32 @@ CASES = [  # (stages, schedule, chunks, micro-batches)
     (4, "gpipe", 1, 4), (4, "1f1b", 1, 6), (4, "interleaved", 2, 8),
 ]
 TORCH_CASES = [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4)]  # on 2 stages
+# the Llama family's shape (its head untied): the same schedules, and torch's, on the same ranks
+LLAMA_CASES = [(2, "1f1b", 1, 4), (2, "interleaved", 2, 4), (4, "1f1b", 1, 6)]
+LLAMA_TORCH_CASES = [("1f1b", 1, 4)]
 BUGS = {  # each planted in a copy of the executor (schedule) or of the split: (module, anchor, replacement,
-    # how the failure begins); 1f1b on 2 stages
-    "each micro-batch's loss not divided by m": ("schedule", "out = loss / m  #", "out = loss  #", "grad of"),
+    # how the failure begins, model); 1f1b on 2 stages
+    "each micro-batch's loss not divided by m": ("schedule", "out = loss / m  #", "out = loss  #", "grad of", "tiny"),
     "the tied embedding's gradients not summed": (
         "split", 'comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)', "pass",
-        "grad of tok_emb.weight"),
-    "the tied matrix counted twice in the norm": ("split", "if p is not self.tied]", "]", "grad norm"),
+        "grad of tok_emb.weight", "tiny"),
+    "the tied matrix counted twice in the norm": ("split", "if p is not self.tied]", "]", "grad norm", "tiny"),
+    # an untied head taken for the tied matrix: overwritten by the embedding, its gradient summed with the embedding's
+    "the untied head synced as if tied": ("split", "        if not self.tied_head:\n            return None\n", "",
+                                          "grad of lm_head.weight", "llama"),
 }
-# every case: {label: (ranks, strategy or planted module, schedule, chunks, micro-batches)}
+# every case: {label: (ranks, strategy or planted module, schedule, chunks, micro-batches, model)}
 DENSE_CASES = {
-    **{f"pp {name} on {stages} stages, chunks {chunks}, m {m}": (stages, "pp", name, chunks, m)
+    **{f"pp {name} on {stages} stages, chunks {chunks}, m {m}": (stages, "pp", name, chunks, m, "tiny")
        for stages, name, chunks, m in CASES},
-    **{f"torch-pp {name}, chunks {chunks}, m {m}": (2, "torch-pp", name, chunks, m) for name, chunks, m in TORCH_CASES},
-    **{f"planted: {bug}": (2, f"planted_{where}_{i}", "1f1b", 1, 4) for i, (bug, (where, *_)) in enumerate(BUGS.items())},
+    **{f"torch-pp {name}, chunks {chunks}, m {m}": (2, "torch-pp", name, chunks, m, "tiny")
+       for name, chunks, m in TORCH_CASES},
+    **{f"llama pp {name} on {stages} stages, chunks {chunks}, m {m}": (stages, "pp", name, chunks, m, "llama")
+       for stages, name, chunks, m in LLAMA_CASES},
+    **{f"llama torch-pp {name}, chunks {chunks}, m {m}": (2, "torch-pp", name, chunks, m, "llama")
+       for name, chunks, m in LLAMA_TORCH_CASES},
+    **{f"planted: {bug}": (2, f"planted_{where}_{i}", "1f1b", 1, 4, model)
+       for i, (bug, (where, *_, model)) in enumerate(BUGS.items())},
 }
 
 
@@ -129,7 +148,7 @@ def dense(tmp_path_factory):
     from labsupport.parallel import pipeline, pipeline_schedule
 
     def plant(folder):
-        for i, (where, old, new, _) in enumerate(BUGS.values()):
+        for i, (where, old, new, *_) in enumerate(BUGS.values()):
             module = pipeline_schedule if where == "schedule" else pipeline
             planted_copy(module, [(old, new)], folder / f"planted_{where}_{i}.py")
     return cases_on_ranks(tmp_path_factory, DENSE, DENSE_CASES, plant)
@@ -139,6 +158,23 @@ def dense(tmp_path_factory):
 @pytest.mark.parametrize("stages, name, chunks, m", CASES)
 def test_every_schedule_gives_the_dense_models_loss_and_gradients(dense, stages, name, chunks, m):
     reports = dense(f"pp {name} on {stages} stages, chunks {chunks}, m {m}")
+    check_schedule(reports, stages, name, chunks, m)
+    assert "embedding" in reports[0]["synced"] and "embedding" in reports[-1]["synced"], "the tied matrix's sum"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages, name, chunks, m", LLAMA_CASES)
+def test_the_llama_shape_with_its_untied_head_gives_the_dense_models_loss_and_gradients(dense, stages, name,
+                                                                                          chunks, m):
+    """The first stage owns the embedding, the last the head, each its own parameter: every gradient (the
+    head's and the embedding's apart), the norm, the losses and the logits are the dense model's, and nothing
+    travels in the embedding group, which only a tied matrix needs."""
+    reports = dense(f"llama pp {name} on {stages} stages, chunks {chunks}, m {m}")
+    check_schedule(reports, stages, name, chunks, m)
+    assert all("embedding" not in rep["synced"] for rep in reports), [rep["synced"] for rep in reports]
+
+
+def check_schedule(reports, stages, name, chunks, m):
     actions = schedule(name, stages, m, chunks)
     for rank, rep in enumerate(reports):
         assert rep["failures"] == [], f"rank {rank}"
@@ -166,6 +202,13 @@ def test_torch_pipelining_gives_the_dense_models_loss_and_gradients(dense, name,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("name, chunks, m", LLAMA_TORCH_CASES)
+def test_torch_pipelining_of_the_llama_shape_gives_the_dense_models_loss_and_gradients(dense, name, chunks, m):
+    for rank, rep in enumerate(dense(f"llama torch-pp {name}, chunks {chunks}, m {m}")):
+        assert rep["failures"] == [], f"rank {rank}"
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("bug", BUGS)
 def test_planted_bugs_are_caught(dense, bug):
     """Each bug is planted in a copy of pipeline.py or pipeline_schedule.py that its case uses instead of the real one."""
@@ -179,9 +222,10 @@ def test_planted_bugs_are_caught(dense, bug):
 @pytest.fixture(scope="module")
 def runs():
     """This file's training runs, trained ahead in one launch per world size (harness.prefetch)."""
-    prefetch(("single", 1, ()), ("single", 1, ("--micro-batch", "2"), MICRO),
+    prefetch(("single", 1, ()), ("single", 1, ("--micro-batch", "2"), MICRO), ("single", 1, (), LLAMA),
              *[(s, 2, ("--pp", "2", "--schedule", order, "--microbatches", "4")) for s, order in TWO_STAGES],
-             *[(s, n, ("--pp", n, "--microbatches", "4", *extra), MICRO) for s, n, extra in FOUR_LAYERS])
+             *[(s, n, ("--pp", n, "--microbatches", "4", *extra), MICRO) for s, n, extra in FOUR_LAYERS],
+             ("pp", 2, LLAMA_TWO_STAGES, LLAMA))
 
 
 TWO_STAGES = [("pp", "1f1b"), ("pp", "gpipe"), ("torch-pp", "1f1b"), ("torch-pp", "gpipe")]
@@ -211,6 +255,20 @@ def test_planted_tied_matrix_counted_twice_fails_the_comparison_with_single(tmp_
     out = train("pp", 2, "--pp", "2", "--microbatches", "4", env=env)
     with pytest.raises(AssertionError, match="^losses differ"):
         assert_same_as_single(out, single())
+
+
+LLAMA_TWO_STAGES = ("--pp", "2", "--microbatches", "4")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_llama_preset_on_two_stages_matches_single(runs):
+    """llama-micro's untied head: the first stage owns the embedding, the last the head, neither synced with
+    the other, so the pipeline talks in its PP group only (no embedding group); losses, every step's
+    gradient norm, validation and the sample are single's."""
+    out = train("pp", 2, *LLAMA_TWO_STAGES, settings=LLAMA)
+    assert_same_as_single(out, single(settings=LLAMA))
+    assert_traffic_in(out, {"pp"}, exact=True)
 
 
 FOUR_LAYERS = [

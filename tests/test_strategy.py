@@ -128,20 +128,19 @@ def test_config_checks_the_batch_against_the_data_parallel_degree():
 
 
 def test_what_the_llama_family_does_not_cut_yet_is_one_line_before_any_rank():
-    """llama-micro (issue 30, part 1): data parallelism and ZeRO take it as they are, tensor parallelism (ours
-    and torch's) since part 2, on whole key/value heads: a tp that does not divide them is one line naming
-    the numbers; the pipeline (an untied head) and the ring (grouped K/V) refuse it, one line each, until
-    they cut it."""
+    """llama-micro (issue 30): data parallelism and ZeRO take it as they are; tensor parallelism (ours and
+    torch's) on whole key/value heads, the pipeline (its untied head), the ring (grouped K/V, RoPE from global
+    positions) and expert parallelism (SwiGLU experts) cut it. A tp that splits no whole key/value heads, or
+    does not divide the MLP's width, is one line naming the numbers."""
     from labsupport.estimate.shapes import preset_shape
     llama = preset_shape("llama-micro", 57)
     for config in (ParallelConfig.build(2, "ddp"), ParallelConfig.build(2, "zero3"), ParallelConfig.build(1, "single"),
-                   ParallelConfig.build(2, "tp", tp=2),
-                   ParallelConfig.build(2, "torch-tp", tp=2, sequence_parallel=True)):
+                   ParallelConfig.build(2, "tp", tp=2), ParallelConfig.build(2, "torch-tp", tp=2, sequence_parallel=True),
+                   ParallelConfig.build(2, "pp", pp=2), ParallelConfig.build(2, "torch-pp", pp=2),
+                   ParallelConfig.build(4, "3d", dp=2, pp=2, zero=1), ParallelConfig.build(2, "cp", cp=2)):
         assert config.problems(config.world_size, llama, global_batch=8) == []
     for config, line in ((ParallelConfig.build(4, "tp", tp=4), "--tp 4 must divide the model's key/value heads (2)"),
-                         (ParallelConfig.build(4, "torch-tp", tp=4), "--tp 4 must divide the model's key/value heads"),
-                         (ParallelConfig.build(2, "pp", pp=2), "--pp 2: the pipeline keeps the LM head tied"),
-                         (ParallelConfig.build(2, "cp", cp=2), "--cp 2: the ring passes one key/value head")):
+                         (ParallelConfig.build(4, "torch-tp", tp=4), "--tp 4 must divide the model's key/value heads")):
         found = config.problems(config.world_size, llama, global_batch=8)
         assert len(found) == 1 and line in found[0] and "\n" not in found[0], found
     assert "--tp 2 must divide the model's MLP width (ffn_hidden 351)" in ParallelConfig.build(2, "tp", tp=2).problems(

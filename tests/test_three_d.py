@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from harness import (MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, prefetch, resume,
+from harness import (LLAMA, MICRO, NANO_10, assert_same_as_single, assert_traffic_in, group_traffic, prefetch, resume,
                      single, train)
 from labsupport.estimate.schedules import schedule
 from labsupport.estimate.tp_comm import total, tp_comm
@@ -27,14 +27,16 @@ GRIDS_OF_FOUR = [
 ]
 INTERLEAVED = ["--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved", "--chunks", "2",
                "--microbatches", "2"]
+LLAMA_DP_PP = ["--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]  # llama-micro, its head untied
 
 
 @pytest.fixture(scope="module")
 def runs():
     """This file's runs on 4 ranks and their references, trained ahead in one launch per world size
     (harness.prefetch); the 8-rank grid is one run (its test reads its launch's traces)."""
-    prefetch(("single", 1, (), NANO_10), ("single", 1, ("--micro-batch", "2"), MICRO),
-             *[("3d", 4, extra, NANO_10) for extra in GRIDS_OF_FOUR], ("3d", 4, INTERLEAVED, MICRO))
+    prefetch(("single", 1, (), NANO_10), ("single", 1, ("--micro-batch", "2"), MICRO), ("single", 1, (), LLAMA),
+             *[("3d", 4, extra, NANO_10) for extra in GRIDS_OF_FOUR], ("3d", 4, INTERLEAVED, MICRO),
+             ("3d", 4, LLAMA_DP_PP, LLAMA))
 
 
 @pytest.mark.slow
@@ -55,6 +57,15 @@ def test_grids_without_one_axis_match_single(runs, extra):
     degrees = {axis: int(extra[extra.index(f"--{axis}") + 1]) for axis in ("dp", "tp", "pp")}
     used = {axis for axis, degree in degrees.items() if degree > 1} | ({"embedding"} if degrees["pp"] > 1 else set())
     assert_traffic_in(out, used, exact=True)  # an axis of degree 1 carries nothing
+
+
+@pytest.mark.multiprocess
+def test_data_by_pipeline_with_zero1_on_the_llama_preset_matches_single(runs):
+    """dp 2 x pp 2 on llama-micro: ZeRO-1 over the DP groups, 1F1B over the stages, the untied head one stage's
+    own (nothing in the embedding group; ZeRO shards the embedding and the head each on its own stage)."""
+    out = train("3d", 4, *LLAMA_DP_PP, settings=LLAMA)
+    assert_same_as_single(out, single(settings=LLAMA))
+    assert_traffic_in(out, {"dp", "pp"}, exact=True)
 
 
 @pytest.mark.slow

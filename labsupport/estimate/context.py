@@ -9,8 +9,14 @@ context parallelism do, so every rank computes the same number of scores. (Strip
 Brandon et al. 2023, balances the same work with another assignment: rank r holds the positions
 r, r + cp, r + 2 cp, ...)
 
+Grouped-query attention (Ainslie et al. 2023; the Llama family) gives K and V kv_heads heads of
+head_dim features, h_kv = kv_heads head_dim = h kv_heads / heads wide: the ring passes them grouped
+(parallel/context.py), so its bytes shrink by heads / kv_heads (`kv_hidden` below; 4 for Llama 3 8B,
+32 query heads on 8 key/value heads). The queries, the output and the log-sum-exp keep every head.
+
 Sizes are bytes per rank, for one layer and one micro-batch: b = micro_batch, c = seq_len / cp (the
-block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp), except
+block each rank holds), h = the hidden size of the heads this rank computes (hidden / tp), h_kv the
+width of its K (and V) heads (h under multi-head attention), except
 `long_sequence_memory`: what a device holds at the peak of a training step on long sequences, model
 states, activations, the sequence-parallel gather, and the larger of the working set of the layer in
 its backward and the logits.
@@ -36,60 +42,71 @@ def split_problems(seq_len: int, cp: int, balanced: bool = True) -> list[str]:
 
 
 def kv_block_bytes(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> int:
-    """One rank's K (or V) block: b c h elements."""
+    """One rank's block of b c `hidden` elements: its K (or V) block with `hidden` = h_kv, its queries
+    or output with h."""
     return micro_batch * (seq_len // cp) * hidden * dtype_bytes
 
 
 def attention_memory(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1,
-                     dtype_bytes: int = 2) -> dict[str, int]:
+                     dtype_bytes: int = 2, *, kv_hidden: int | None = None) -> dict[str, int]:
     """Bytes of one ring attention per rank: `saved` for backward, `in_flight` K/V blocks, `total`.
+    `kv_hidden`: the width h_kv of K and V, kv_heads x head_dim (default `hidden`: multi-head attention).
 
     Liu et al. 2023, Sec 3 and Table 1: ring attention keeps 6 b c h per layer: the query, the
     output, the key and value block it computes with, and the key and value block it receives
-    meanwhile. Here `saved` is what the backward needs: q, k, v and the output (4 b c h) and the
-    log-sum-exp of each query row (b c heads in fp32), as FlashAttention keeps (Dao et al. 2022);
-    no c x c scores. `in_flight` are the received K/V blocks alive at once in the forward pass:
-    with cp = 2 one pair arrives (2 b c h, so 6 b c h with `saved`, the paper's figure); with
-    more ranks the next pair arrives while the last received one is computed with (4 b c h).
+    meanwhile. Here `saved` is what the backward needs: q, k, v and the output (2 b c h + 2 b c h_kv)
+    and the log-sum-exp of each query row (b c heads in fp32), as FlashAttention keeps (Dao et al.
+    2022); no c x c scores. `in_flight` are the received K/V blocks alive at once in the forward pass:
+    with cp = 2 one pair arrives (2 b c h_kv, so 6 b c h with `saved` under multi-head attention, the
+    paper's figure); with more ranks the next pair arrives while the last received one is computed
+    with (4 b c h_kv). Grouped K/V are never repeated over the query heads (parallel/context.py), so
+    they and their blocks in flight are heads / kv_heads smaller than multi-head attention's.
     """
     c = seq_len // cp
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
     block = kv_block_bytes(seq_len, micro_batch, hidden, cp, dtype_bytes)
-    saved = 4 * block + micro_batch * c * heads * LSE_BYTES
-    in_flight = 2 * block * min(cp - 1, 2)
+    kv_block = kv_block_bytes(seq_len, micro_batch, kv_hidden, cp, dtype_bytes)
+    saved = 2 * block + 2 * kv_block + micro_batch * c * heads * LSE_BYTES
+    in_flight = 2 * kv_block * min(cp - 1, 2)
     return {"saved": saved, "in_flight": in_flight, "total": saved + in_flight}
 
 
 def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1, tp: int = 1,
-                     sequence_parallel: bool = False, dtype_bytes: int = 2) -> int:
+                     sequence_parallel: bool = False, dtype_bytes: int = 2, *, kv_hidden: int | None = None) -> int:
     """One transformer layer's activations per rank under CP: the layer's activations divided by cp,
     plus the K/V blocks in flight.
 
     Every activation Korthikanti et al. 2022 count (memory.activation_bytes_per_layer) belongs to
     one position, so each rank keeps them for its s / cp positions. Ring attention stores no
-    scores (the 5 a s^2 b term), as with selective recomputation. In flight: `attention_memory`.
+    scores (the 5 a s^2 b term), as with selective recomputation. In flight: `attention_memory`, of K/V
+    `kv_hidden` wide (kv_heads x head_dim, all TP ranks' together; default `hidden`).
     """
     per_rank = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
                                           sequence_parallel=sequence_parallel, recompute="selective")
-    local_hidden = hidden // tp
-    return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes)["in_flight"]
+    local_hidden, kv_hidden = hidden // tp, (hidden if kv_hidden is None else kv_hidden) // tp
+    return per_rank + attention_memory(seq_len, micro_batch, local_hidden, heads // tp, cp, dtype_bytes,
+                                       kv_hidden=kv_hidden)["in_flight"]
 
 
 def stage_activation_bytes(n_layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int,
                            tp: int = 1, recompute: str = "none", dtype_bytes: int = 2, *,
-                           sequence_parallel: bool = False) -> int:
+                           sequence_parallel: bool = False, kv_hidden: int | None = None) -> int:
     """What the first pipeline stage keeps under CP: `n_layers` layers' activations for s / cp
     positions, plus the K/V blocks in flight once.
 
     As `memory.estimate_memory` counts a stage (L layers' worth under 1F1B, Korthikanti et al. 2022,
     Sec 4.2.3), each layer divided by cp as in `activation_bytes`, without scores (ring attention
     stores none, so "none" keeps what "selective" keeps); full recomputation keeps each layer's
-    input only. The received blocks live while one layer's attention runs, so they count once.
+    input only. The received blocks live while one layer's attention runs, so they count once; they are
+    `kv_hidden` wide (grouped-query attention's kv_heads x head_dim over all TP ranks; default `hidden`).
     `sequence_parallel` shards what plain TP leaves replicated (Korthikanti Sec 4.2.2).
     """
     kept = "full" if recompute == "full" else "selective"
     per_layer = activation_bytes_per_layer(seq_len // cp, micro_batch, hidden, heads, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=kept)
-    in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes)["in_flight"]
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    in_flight = attention_memory(seq_len, micro_batch, hidden // tp, heads // tp, cp, dtype_bytes,
+                                 kv_hidden=kv_hidden // tp)["in_flight"]
     return n_layers * per_layer + in_flight
 
 
@@ -128,7 +145,8 @@ def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int
 
     Working set of the one layer whose backward runs: with full recomputation that layer's
     activations, rematerialised (what "selective" keeps of one layer); under CP the K/V blocks in
-    flight (`attention_memory`), once and not once per layer, as `stage_activation_bytes` counts them.
+    flight (`attention_memory`: kv_heads key/value heads, grouped), once and not once per layer, as
+    `stage_activation_bytes` counts them.
 
     Logits, on the last stage, at the loss: the 16-bit logits 2 b (s / cp) V / tp (V the padded
     vocabulary) beside their fp32 copy, 4 b (s / cp) V / tp. Megatron-LM computes the loss on
@@ -160,7 +178,8 @@ def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int
         return activation_bytes_per_layer(local, micro_batch, cfg.hidden, cfg.heads, tp, sequence_parallel, kept)
 
     per_layer = layer(recompute)
-    in_flight = attention_memory(seq_len, micro_batch, cfg.hidden // tp, cfg.heads // tp, cp)["in_flight"]
+    in_flight = attention_memory(seq_len, micro_batch, cfg.hidden // tp, cfg.heads // tp, cp,
+                                 kv_hidden=cfg.n_kv_heads * cfg.head_dim // tp)["in_flight"]  # grouped K/V travel
     working = in_flight + (layer("selective") if recompute == "full" else 0)
     gathered = ACTIVATION_BYTES * micro_batch * local * cfg.hidden if sequence_parallel and tp > 1 else 0
     logits = -(-(ACTIVATION_BYTES + LOGIT_BYTES) * micro_batch * local * cfg.padded_vocab // tp)
@@ -175,19 +194,24 @@ def long_sequence_memory(cfg, seq_len: int, *, tp: int = 1, cp: int = 1, pp: int
             "total": stages[stage], "stage": stage, "stages": stages}
 
 
-def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2) -> dict:
+def ring_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int, dtype_bytes: int = 2, *,
+                 kv_hidden: int | None = None) -> dict:
     """What one rank sends in one layer's ring attention: {"forward"|"backward": {"calls", "payload_bytes"}}.
+    `kv_hidden`: the width h_kv of K and V, kv_heads x head_dim (default `hidden`: multi-head attention).
 
     Liu et al. 2023, Sec 3: in each of the cp steps a rank computes with one K/V block while it
     sends that block on; a block needs cp - 1 hops to have visited every rank, so the forward
-    sends K and V cp - 1 times each. The backward passes K and V the same way, and beside them the
-    sums of dK and dV for each block, which collect each rank's contribution and reach the block's
-    owner after cp - 1 hops (2 (cp - 1) more sends, in fp32). Each send has its receive on the
-    neighbour: the receives are the same calls and bytes.
+    sends K and V cp - 1 times each, 2 (cp - 1) b c h_kv elements. The backward passes K and V the
+    same way, and beside them the sums of dK and dV for each block, which collect each rank's
+    contribution and reach the block's owner after cp - 1 hops (2 (cp - 1) more sends, in fp32).
+    Each send has its receive on the neighbour: the receives are the same calls and bytes. Only K
+    and V travel, so under grouped-query attention every byte is kv_heads / heads of multi-head
+    attention's (the calls are the same).
     """
     hops = cp - 1
-    kv = kv_block_bytes(seq_len, micro_batch, hidden, cp, dtype_bytes)
-    grads = kv_block_bytes(seq_len, micro_batch, hidden, cp, GRAD_BYTES)
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    kv = kv_block_bytes(seq_len, micro_batch, kv_hidden, cp, dtype_bytes)
+    grads = kv_block_bytes(seq_len, micro_batch, kv_hidden, cp, GRAD_BYTES)
     return {"forward": {"calls": 2 * hops, "payload_bytes": 2 * hops * kv},
             "backward": {"calls": 4 * hops, "payload_bytes": 2 * hops * (kv + grads)}}
 

@@ -76,7 +76,9 @@ def moe_comm(tokens: int, hidden: int, top_k: int, n_experts: int, ep: int, *, d
     """{"forward": {op: {"calls", "payload_bytes", "wire_bytes"}}, "backward": ...}: one MoE layer's
     communication for `tokens` tokens (all ep ranks' together), summed over the ep ranks; `dropped`
     assignments travel nowhere. GShard, Sec. 3.2: dispatch and combine in forward, their gradients
-    in backward, each moving every kept assignment's row of `hidden` elements once."""
+    in backward, each moving every kept assignment's row of `hidden` elements once. The expert's own
+    shape does not enter: a GELU MLP and a SwiGLU expert (Mixtral's, three matrices of any ffn) take and
+    give rows of `hidden` alike; only its parameters (`expert_params`) and FLOPs differ."""
     if ep == 1:
         return {"forward": {}, "backward": {}}
     rows = (tokens * top_k - dropped) * hidden * bytes_per_element

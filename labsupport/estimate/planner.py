@@ -264,7 +264,7 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
     if cp == 1:
         return est["total"]
     activations = stage_activation_bytes(cfg.n_layers, cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
-                                         recompute, ACTIVATION_BYTES)
+                                         recompute, ACTIVATION_BYTES, kv_hidden=cfg.n_kv_heads * cfg.head_dim)
     return est["total"] - est["activations"] + activations * BYTES_PER_PARAM[precision]["params"] // 2
 
 
@@ -279,7 +279,8 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
       `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h / cp
       activations; full recomputation repeats the forward's 2), ring all-reduce on group_link(tp).
     CP: each layer of a stage, for each micro-batch, the sends of `context.ring_traffic` (Liu et al.
-      2023, Sec. 3: K and V go cp - 1 hops forward; backward K, V and the dK, dV sums), each
+      2023, Sec. 3: K and V go cp - 1 hops forward; backward K, V and the dK, dV sums; grouped-query
+      attention's K and V kv_heads heads wide, as they travel), each
       alpha + bytes / bandwidth on group_link(tp x cp); full recomputation repeats the forward's.
     PP: each micro-batch sends its activations to the next stage and its gradient back,
       b s h / (tp cp) bytes per GPU (Narayanan et al. 2021, Sec. 4.1, the scatter/gather
@@ -315,7 +316,8 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     cp_comm = 0.0
     if cp > 1:
         alpha, gbps = group_link(machine, tp * cp)
-        sends = ring_traffic(cfg.seq_len, micro_batch, cfg.hidden // tp, cp, ACTIVATION_BYTES)
+        sends = ring_traffic(cfg.seq_len, micro_batch, cfg.hidden // tp, cp, ACTIVATION_BYTES,
+                             kv_hidden=cfg.n_kv_heads * cfg.head_dim // tp)
         per_layer = sum(forward_passes[phase] * (t["calls"] * alpha + t["payload_bytes"] / (gbps * 1e9))
                         for phase, t in sends.items())
         cp_comm = m * layers * per_layer

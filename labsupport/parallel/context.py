@@ -37,6 +37,24 @@ block's output and log-sum-exp: torch's fused CPU FlashAttention kernel ("flash"
 CPU), or the same formulas in plain tensor operations ("math": any device, easy to read, but it
 holds a block's scores at once and is several times slower).
 
+Grouped-query attention (Ainslie et al. 2023) and rotary positions, the Llama family's: K and V
+have kv_heads heads, each read by r = heads / kv_heads query heads (query head g r + j reads key/value
+head g, as SDPA's `enable_gqa` pairs them). The ring passes K and V as they are, grouped, so its
+bytes (and the dK, dV sums of the backward) are kv_heads / heads of multi-head attention's
+(estimate/context.py, `ring_traffic`'s `kv_hidden`); each block's kernel reads the grouped heads
+itself (torch's fused CPU kernel does; "math" groups the queries by their key/value head), so no
+rank ever holds K or V repeated over the query heads. Repeating them before the ring computes the same
+and sends r times the bytes: torchtitan's Llama 3 (models/llama3/model/model.py) calls `repeat_kv` before
+its SDPA, so torch's `context_parallel`, which replaces that SDPA by its ring, passes every query head's
+copy. Megatron-LM's context parallelism (Transformer Engine's P2P ring) passes the K/V of the
+`num_query_groups` heads, as here.
+RoPE rotates q and k by their *global* positions before the scores (model.py's `rotate`), so a K
+block carries its rotation with it around the ring and every score is single's: the positions
+are the rank's chunks' (`positions`: with the balanced split, chunk r and chunk 2 cp - 1 - r), which
+`ContextParallelStep` hands the model, as Megatron-LM cuts its rotary table by the same two chunks
+per rank (`get_pos_emb_on_this_cp_rank`). RoPE from the local indices 0 .. s / cp - 1 would rotate
+every rank's keys as if they stood at the start of the sequence.
+
 Use: `shard_sequence` gives a rank its share of a batch's positions (and `positions` their
 global indices, for position embeddings); `apply_context_parallel(module, group)` makes every
 causal `scaled_dot_product_attention` that `module`'s forward calls a ring attention over the
@@ -109,31 +127,45 @@ def _causal_mask(n: int, device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
+def _by_group(t, kv_heads):
+    """A tensor of query heads (dim -3) as (kv_heads, r): the r query heads that read each key/value head
+    side by side (query head g r + j reads key/value head g); with r = 1 plain multi-head attention."""
+    return t.unflatten(-3, (kv_heads, -1))
+
+
 def _block_math(q, k, v, causal, scale):
-    """One block's attention output and the log-sum-exp of each query row's scores (in fp32)."""
-    q, k, v = q.float(), k.float(), v.float()
+    """One block's attention output and the log-sum-exp of each query row's scores (in fp32).
+    k and v may have fewer heads than q (grouped-query attention): each is read by its query group."""
+    kv = k.shape[-3]
+    q, k, v = _by_group(q.float(), kv), k.float().unsqueeze(-3), v.float().unsqueeze(-3)  # k, v broadcast over r
     s = q @ k.transpose(-2, -1) * scale
     if causal:
         s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ v, lse
+    return (torch.exp(s - lse[..., None]) @ v).flatten(-4, -3), lse.flatten(-3, -2)
 
 
 def _block_backward_math(d_out, q, k, v, out, lse, causal, scale):
     """One block's dq, dk, dv from the *final* output and log-sum-exp of the query rows
     (FlashAttention's backward, Dao et al. 2022, Alg. 2): P = exp(S - lse) are the final
-    probabilities, dS = P (dO V^T - D) with D = rowsum(dO O). In fp32, as the forward."""
-    d_out, q, k, v, out = d_out.float(), q.float(), k.float(), v.float(), out.float()
+    probabilities, dS = P (dO V^T - D) with D = rowsum(dO O). In fp32, as the forward. Under
+    grouped-query attention a key/value head's dk and dv are summed over the query heads that read it."""
+    kv = k.shape[-3]
+    q, d_out, out = (_by_group(t.float(), kv) for t in (q, d_out, out))
+    k, v, lse = k.float().unsqueeze(-3), v.float().unsqueeze(-3), _by_group(lse.unsqueeze(-1), kv)
     s = q @ k.transpose(-2, -1) * scale
     if causal:
         s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - lse)
     ds = p * (d_out @ v.transpose(-2, -1) - (d_out * out).sum(-1, keepdim=True))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ d_out
+    return ((ds @ k * scale).flatten(-4, -3), (ds.transpose(-2, -1) @ q * scale).sum(-3),
+            (p.transpose(-2, -1) @ d_out).sum(-3))
 
 
 def _block_flash(q, k, v, causal, scale):
-    """`_block_math` by torch's fused CPU FlashAttention kernel, which also returns the log-sum-exp."""
+    """`_block_math` by torch's fused CPU FlashAttention kernel, which also returns the log-sum-exp. It reads
+    grouped K/V itself (query head h reads key/value head h // r) and its backward returns dk, dv of the
+    key/value heads, summed over each one's query heads."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
@@ -233,8 +265,11 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, group=None, balanced: bool = True, scale: float | None = None,
                    kernel: str | None = None, counts=None):
-    """Causal attention of this rank's share of the sequence, `(batch, heads, s / cp, head_dim)`,
-    against the whole sequence held by the ranks of `group`; the share is `shard_sequence`'s.
+    """Causal attention of this rank's share of the sequence, q `(batch, heads, s / cp, head_dim)`,
+    against the whole sequence held by the ranks of `group`; the share is `shard_sequence`'s. k and v
+    are `(batch, kv_heads, s / cp, head_dim)` with kv_heads dividing heads: grouped-query attention,
+    query head h reading key/value head h // (heads / kv_heads) as SDPA's `enable_gqa`; they travel
+    the ring grouped (kv_heads heads), as do their gradients' sums.
 
     `kernel` computes each block: "flash", torch's fused CPU FlashAttention kernel (the default
     on CPU), or "math", the same formulas in plain tensor operations (any device; it holds a
@@ -243,6 +278,9 @@ def ring_attention(q, k, v, group=None, balanced: bool = True, scale: float | No
     kernel = kernel or ("flash" if q.device.type == "cpu" else "math")
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if q.shape[-3] % k.shape[-3] or k.shape != v.shape:
+        raise ValueError(f"ring attention: key and value must have the same shape with a number of heads that "
+                         f"divides the queries' (got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     check_split(q.shape[-2] * comm.get_world_size(group), comm.get_world_size(group), balanced)
     counts = {"forward": 0, "backward": 0} if counts is None else counts
@@ -261,9 +299,12 @@ class _SDPAAsRing(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args))
         call.update(kwargs or {})
-        if not call.get("is_causal") or call.get("attn_mask") is not None or call.get("enable_gqa"):
+        if not call.get("is_causal") or call.get("attn_mask") is not None:
             raise ValueError("context parallelism computes causal attention: call scaled_dot_product_attention "
                              "with is_causal=True and no attn_mask")
+        if call["key"].shape[-3] != call["query"].shape[-3] and not call.get("enable_gqa"):
+            raise ValueError("scaled_dot_product_attention: keys with fewer heads than the queries need "
+                             "enable_gqa=True (grouped-query attention)")
         if call.get("dropout_p", 0.0) > 0:
             raise ValueError("context parallelism has no attention dropout: set the model's dropout to 0")
         o = self.owner
@@ -341,10 +382,6 @@ class ContextParallelStep(Step):
             if model.dropout:
                 out.append(f"--cp {config.cp} has no attention dropout (every rank would need the same mask): "
                            "use --dropout 0")
-            if model.n_kv_heads != model.heads:
-                out.append(f"--cp {config.cp}: the ring passes one key/value head per query head, and model "
-                           f"{model.name} has grouped-query attention ({model.n_kv_heads} key/value heads for "
-                           f"{model.heads}; not passed grouped yet); use --cp 1")
         return out
 
     def apply(self, parts, shared, owned):

@@ -17,11 +17,17 @@ schedules are data (`labsupport.estimate.schedules`), and the executor that runs
 of actions is `PipelineSchedule` (pipeline_schedule.py), the split's runner in the composition.
 
 A stage is TinyGPT with the other stages' parts removed (`split_stage`, torchtitan's manual
-split): parameter names stay those of the whole model. The LM head is tied to the token
-embedding, which live on the first and the last stage: each keeps its copy (equal at the
-start), and after backward the two gradients are summed over an embedding group of those two
-ranks (Megatron-LM's `embedding_group`), so both copies take the same step. The gradient norm
-counts that matrix once, on the first stage.
+split): parameter names stay those of the whole model. The token embedding lives on the first
+stage and the LM head on the last. When they are tied (GPT-2's shape), each of the two stages
+keeps its copy of the one matrix (equal at the start), and after backward the two gradients are
+summed over an embedding group of those two ranks (Megatron-LM's `embedding_group`), so both
+copies take the same step; the gradient norm counts that matrix once, on the first stage. When
+the head is untied (the Llama family, `cfg.tied` False) they are two parameters, each a stage's
+own like its blocks: nothing is broadcast or summed between the stages and the norm counts each
+where it lives. Megatron-LM does the same: its embedding group's all-reduce runs only when
+`share_embeddings_and_output_weights` (its `--untie-embeddings-and-output-weights` turns it off);
+torchtitan's Llama is untied and its pipeline split keeps `tok_embeddings` on the first stage and
+`output` on the last, with nothing between them.
 """
 from __future__ import annotations
 
@@ -86,9 +92,6 @@ class PipelineSplit(Step):
             out.append(f"--schedule interleaved needs --pp 2 or more and --chunks 2 or more (got --pp {config.pp}, "
                        f"--chunks {config.chunks}); with one chunk per stage use --schedule 1f1b")
         stages = config.pp * config.chunks
-        if model is not None and config.pp > 1 and not model.tied:
-            out.append(f"--pp {config.pp}: the pipeline keeps the LM head tied to the embedding across its first and "
-                       f"last stage, and model {model.name} has an untied head (not split yet); use --pp 1")
         if model is not None and model.n_layers % stages:
             more = " (each chunk needs at least one layer)" if stages > model.n_layers else ""
             out.append(f"--pp {config.pp} x --chunks {config.chunks} = {stages} pipeline chunks must divide "
@@ -106,6 +109,7 @@ class PipelineSplit(Step):
         self.schedule = PipelineSchedule(self.mesh, self.config, model.cfg.hidden, model.cfg.padded_vocab, p0.dtype,
                                          p0.device)
         self.parts = list(split_stage(model, self.mesh.pp_rank, self.config.pp, self.config.chunks))
+        self.tied_head = model.cfg.tied  # untied: the embedding and the head are each one stage's own
         if self.tied is not None:  # both copies start from the first stage's values
             with torch.no_grad():
                 comm.broadcast(self.tied, self.mesh.stage_rank(0), group=self.mesh.embedding_group)
@@ -113,14 +117,17 @@ class PipelineSplit(Step):
 
     @property
     def tied(self):
-        """This rank's copy of the embedding / LM head matrix (None on the middle stages). Looked up
-        each time: tensor parallelism replaces the layers that hold it."""
+        """This rank's copy of the embedding / LM head matrix (None on the middle stages, and on every
+        stage when the head is untied). Looked up each time: tensor parallelism replaces the layers
+        that hold it."""
+        if not self.tied_head:
+            return None
         if self.mesh.is_first_stage:
             return self.parts[0].tok_emb.weight
         return self.parts[-1].lm_head.weight if self.mesh.is_last_stage else None
 
     def shared_parameters(self):
-        """The tied embedding / LM head matrix: the first and the last stage each hold a copy."""
+        """The tied embedding / LM head matrix: the first and the last stage each hold a copy (none when untied)."""
         return [self.tied] if self.tied is not None else []
 
     def runner(self):
@@ -128,14 +135,15 @@ class PipelineSplit(Step):
         return self.schedule
 
     def finish_backward(self):
-        """Sum the tied matrix's two gradients: the embedding's (first stage) and the head's (last)."""
+        """Sum the tied matrix's two gradients: the embedding's (first stage) and the head's (last); nothing
+        when the head is untied."""
         if self.tied is not None:
             comm.all_reduce(self.tied.grad, "sum", group=self.mesh.embedding_group)
 
     def norm(self, counted, scaled):
         """Squares summed over the pipeline, the tied matrix (on the first and the last stage) counted
         once, on the first (clip.count_once); every gradient scaled alike (both copies of the tied
-        one, or they would drift apart)."""
+        one, or they would drift apart). An untied head and embedding are each one stage's own."""
         own = [p for p in counted if p is not self.tied]
         return count_once(counted, own, self.group), scaled, self.group
 
