@@ -36,9 +36,11 @@ LAB_ARGS ?=
 # Extra pytest options, e.g. make test PYTEST_ARGS="-k collectives -x"
 PYTEST_ARGS ?=
 # make test runs the files on this many pytest-xdist workers, a file (a notebook: its cells, in
-# order, in one kernel) on one worker. Two keep a 2-core machine busy while ranks start and wait;
-# more only oversubscribe its cores. TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
+# order, in one kernel) on one worker. Since ranks, agents and pool engines are forked (no interpreter
+# importing torch per process), the tests wait more than they compute: on a 2-core machine three
+# workers took 1103 s where two took 1276 s (the same suite; the two-worker run shared the machine with
+# another job for part of its time). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
 
 # Environment of test and notebook runs: run directories go to runs/ (git-ignored).
 # MPLBACKEND is deliberately not set to Agg here: ipykernel only selects the inline backend

@@ -29,7 +29,7 @@ def pytest_configure(config):
 
 
 def _share_the_cores():
-    """Under pytest-xdist (`make test` runs two workers) each worker's ranks count only its share of
+    """Under pytest-xdist (`make test` runs three workers) each worker's ranks count only its share of
     the cores (LABSUPPORT_CPUS, inherited by every rank, kernel and server its tests start), so the
     launcher gives each rank that share as threads (runtime.threads_per_rank). With the whole
     machine's count, a 1-rank run used 2 threads on 2 cores beside the other worker's 8 ranks, and
