@@ -202,7 +202,7 @@ def test_zero_matches_single_step_by_step(runs, strategy, nproc, extra):
 @pytest.mark.parametrize("strategy, nproc, extra", LLAMA_RUNS)
 def test_the_llama_family_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra, settings=LLAMA)
-    assert out["parallel"]["zero"] == int(strategy[-1]) and out["model"]["mlp"] == "swiglu"
+    assert out["parallel"]["zero"] == int(strategy[-1]) and out["model"]["name"] == "llama-micro"
     assert_same_as_single(out, single(settings=LLAMA), params="flat" if strategy == "zero3" else "whole")
 
 

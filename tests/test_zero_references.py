@@ -46,7 +46,7 @@ def runs():
 @pytest.mark.parametrize("strategy, nproc, extra", LLAMA_RUNS)
 def test_the_llama_family_matches_single_step_by_step(runs, strategy, nproc, extra):
     out = train(strategy, nproc, *extra, settings=LLAMA)
-    assert out["model"]["mlp"] == "swiglu"
+    assert out["model"]["name"] == "llama-micro"
     assert_same_as_single(out, single(settings=LLAMA), params="rows" if strategy == "torch-fsdp" else "whole")
 
 
