@@ -356,7 +356,10 @@ def test_an_idle_pool_stops_itself_and_a_check_starts_it_again_saying_so(tmp_pat
         assert [p.name for p in (tmp_path / "registry").iterdir()] == [f"{os.getpid()}.json"]
         assert idle.run("import time\ntime.sleep(2)\nrt.rank") == {0: 0, 1: 1}  # a long cell is not cut
         wait_for(lambda: not idle.running, "the idle stop")
-        assert gone(pids) and processes_of(run_dir) == [] and list((tmp_path / "registry").iterdir()) == []
+        # the idle stop ends the processes after the pool says it stopped: the engines, the process they were
+        # forked from and the controller end within the bound
+        wait_for(lambda: processes_of(run_dir) == [], "the pool's processes to end")
+        assert gone(pids) and list((tmp_path / "registry").iterdir()) == []
         assert idle.stopped == "stopped themselves after 0.02 min without a cell" and idle.serves(2)
         capsys.readouterr()
         values = on_ranks.run("", "os", "getpid()", nproc=2)  # a check: on the pool again, not on fresh ranks
