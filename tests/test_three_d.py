@@ -1,7 +1,7 @@
 """3D parallelism is proven against `single`: on a 2 x 2 x 2 grid of 8 ranks and on the grids
 that leave one axis out, `labsupport train --strategy 3d` gives single's losses and gradient
 norms step by step (fp32, 10 steps), with DDP or ZeRO-1 over the DP groups, and under the
-interleaved schedule; a planted misalignment of the tied matrix's ZeRO shards is caught; each
+interleaved schedule, and on the Llama preset's grouped-query attention, SwiGLU and untied head; a planted misalignment of the tied matrix's ZeRO shards is caught; each
 group carries only its own traffic; a run resumed from its checkpoint is bit for bit the run that
 never stopped; bad grids are refused in one line before any rank starts."""
 import json
@@ -27,7 +27,7 @@ GRIDS_OF_FOUR = [
 ]
 INTERLEAVED = ["--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved", "--chunks", "2",
                "--microbatches", "2"]
-LLAMA_DP_PP = ["--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]  # llama-micro, its head untied
+LLAMA_GRID = GRID  # on llama-micro: 4 query heads on 2 K/V heads, so tp 2 splits whole query groups
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,7 @@ def runs():
     """This file's runs on 4 ranks and their references, trained ahead in one launch per world size
     (harness.prefetch); the 8-rank grid is one run (its test reads its launch's traces)."""
     prefetch(("single", 1, (), NANO_10), ("single", 1, ("--micro-batch", "2"), MICRO), ("single", 1, (), LLAMA),
-             *[("3d", 4, extra, NANO_10) for extra in GRIDS_OF_FOUR], ("3d", 4, INTERLEAVED, MICRO),
-             ("3d", 4, LLAMA_DP_PP, LLAMA))
+             *[("3d", 4, extra, NANO_10) for extra in GRIDS_OF_FOUR], ("3d", 4, INTERLEAVED, MICRO))
 
 
 @pytest.mark.slow
@@ -59,13 +58,16 @@ def test_grids_without_one_axis_match_single(runs, extra):
     assert_traffic_in(out, used, exact=True)  # an axis of degree 1 carries nothing
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-def test_data_by_pipeline_with_zero1_on_the_llama_preset_matches_single(runs):
-    """dp 2 x pp 2 on llama-micro: ZeRO-1 over the DP groups, 1F1B over the stages, the untied head one stage's
-    own (nothing in the embedding group; ZeRO shards the embedding and the head each on its own stage)."""
-    out = train("3d", 4, *LLAMA_DP_PP, settings=LLAMA)
+def test_two_by_two_by_two_on_the_llama_preset_matches_single(runs):
+    """dp 2 x tp 2 x pp 2 with ZeRO-1 on llama-micro: each TP rank holds one query group (2 query heads and
+    their K/V head) and half of SwiGLU's gate, up and down; 1F1B over 2 stages of 2 layers; the untied head
+    is the last stage's own, so nothing travels in the embedding group."""
+    out = train("3d", 8, *LLAMA_GRID, settings=LLAMA)
+    assert (out["parallel"]["dp"], out["parallel"]["tp"], out["parallel"]["pp"]) == (2, 2, 2)
     assert_same_as_single(out, single(settings=LLAMA))
-    assert_traffic_in(out, {"dp", "pp"}, exact=True)
+    assert_traffic_in(out, {"dp", "tp", "pp"}, exact=True)
 
 
 @pytest.mark.slow
