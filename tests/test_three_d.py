@@ -1,9 +1,10 @@
 """3D parallelism is proven against `single`: on a 2 x 2 x 2 grid of 8 ranks and on the grids
 that leave one axis out, `labsupport train --strategy 3d` gives single's losses and gradient
-norms step by step (fp32, 10 steps), with DDP or ZeRO-1 over the DP groups, and under the
-interleaved schedule, and on the Llama preset's grouped-query attention, SwiGLU and untied head; a planted misalignment of the tied matrix's ZeRO shards is caught; each
-group carries only its own traffic; a run resumed from its checkpoint is bit for bit the run that
-never stopped; bad grids are refused in one line before any rank starts."""
+norms step by step (fp32, 10 steps), with DDP or ZeRO-1 over the DP groups, under the interleaved
+schedule, and on the Llama preset (grouped-query attention, SwiGLU, an untied head); a planted
+misalignment of the tied matrix's ZeRO shards is caught; each group carries only its own traffic;
+a run resumed from its checkpoint is bit for bit the run that never stopped; bad grids are refused
+in one line before any rank starts."""
 import json
 import os
 from pathlib import Path
