@@ -1022,3 +1022,34 @@ def test_a_cell_under_an_exercise_that_prints_its_answer_is_locked_until_the_exe
         monkeypatch.setattr(ex.get(name), "earned", True)
         exec(cell, {"schedule": schedule})
         assert capsys.readouterr().out.startswith("stage 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0")
+
+
+# ---------------------------------------------------------------- notebook 01: a Llama's parameters (issue 30)
+
+LLAMA_WRONG = [
+    ("+ 2 * d * kv ", "+ 2 * d * d ", r"K and V are as wide as Q in your count.*2 x 32 = 64 here, not 128"),
+    ("3 * d * ffn_hidden", "2 * d * ffn_hidden", r"SwiGLU has three matrices .* you count two"),
+    ("3 * d * ffn_hidden", "8 * d * d", r"not GPT's two of width 4d"),
+    ("head = 0 if tied else vocab * d", "head = 0", r"for llama-micro \(.*tied=False\).*The LM head is untied"),
+    ("head = 0 if tied else vocab * d", "head = vocab * d", r"for llama-micro \(tied\).*counted once"),
+    ("+ 2 * d          #", "+ 4 * d          #", r"RMSNorm has a gain and no shift"),
+    ("n_layers * block + d", "n_layers * block", r"a final RMSNorm after the last block"),
+]
+
+
+def test_llama_params_reference_passes_and_names_mistral_7bs_count(capsys):
+    status, out = grade("llama_params", solution("llama_params"), capsys)
+    assert status == ex.SOLVED and "Mistral 7B (7,241,732,096)" in out and "10.5 d²" in out, out
+
+
+@pytest.mark.parametrize("old, new, feedback", LLAMA_WRONG)
+def test_llama_params_wrong_answers_say_which_part_is_off(old, new, feedback, capsys):
+    status, message = grade("llama_params", mutate("llama_params", old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message
+
+
+def test_llama_params_is_not_solved_by_the_librarys_count(capsys):
+    call = ("from labsupport.estimate.params import count_params\n\n\n"
+            "def llama_params(n_layers, hidden, heads, kv_heads, ffn_hidden, vocab, tied):\n    return count_params(None)\n")
+    status, message = grade("llama_params", call, capsys)
+    assert status == ex.WRONG and "the library's count" in message, message

@@ -1,4 +1,4 @@
-"""Notebook 01's exercises: count TinyGPT's parameters, bytes per parameter by recipe, days to
+"""Notebook 01's exercises: count TinyGPT's parameters and a Llama's, bytes per parameter by recipe, days to
 train the workshop's 22B model, and two find-the-bug labs (gradient accumulation whose gradient is
 4x the whole batch's while AdamW's losses look right; an fp16 step whose logged gradient norm is
 far too large and whose run learns more slowly than fp32's).
@@ -9,13 +9,15 @@ the same numbers the notebook and the CLI print.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import replace
 
 from ..estimate.flops import training_days as reference_days
 from ..estimate.memory import BYTES_PER_PARAM
 from ..estimate.params import count_params
+from ..estimate.shapes import preset_shape
 from ..model import GPT2_VOCAB, PRESETS
-from .exercise import Exercise, Wrong, attempt, register
+from .exercise import Exercise, Wrong, attempt, paragraphs, register
 
 
 # ---------------------------------------------------------------- parameters
@@ -55,6 +57,90 @@ def tinygpt_params(n_layers, hidden, vocab, seq_len):
     d = hidden
     block = 12 * d * d + 13 * d      # matrices, then biases and LayerNorm weights/biases
     return vocab * d + seq_len * d + n_layers * block + 2 * d
+'''))
+
+
+# ---------------------------------------------------------------- a Llama's parameters
+
+def _llama_shapes() -> list:
+    """The shapes llama_params is checked on: llama-micro (the CPU preset, with the shipped corpus's vocabulary)
+    untied as it is and tied, Mistral 7B, Llama 3 8B and 70B (their published shapes)."""
+    micro = preset_shape("llama-micro")
+    return [micro, replace(micro, name="llama-micro (tied)", tied=True),
+            *(PRESETS[name] for name in ("mistral-7b", "llama3-8b", "llama3-70b"))]
+
+
+def _llama_diagnosis(cfg, got, want) -> str:
+    """What one usual slip makes of the count, recognised by the difference it leaves (each differs on llama-micro)."""
+    L, d, f, V = cfg.n_layers, cfg.hidden, cfg.ffn, cfg.vocab
+    kv = cfg.n_kv_heads * cfg.head_dim
+    slips = {
+        2 * L * d * (d - kv): (f" K and V are as wide as Q in your count. With grouped-query attention each projects "
+                               f"to kv_heads heads of head_dim = hidden / heads features: {cfg.n_kv_heads} x "
+                               f"{cfg.head_dim} = {kv} here, not {d}."),
+        -L * d * f: " SwiGLU has three matrices (gate and up: d x ffn_hidden, down: ffn_hidden x d); you count two.",
+        L * (8 * d * d - 3 * d * f): " The MLP is SwiGLU of width ffn_hidden, three matrices, not GPT's two of width 4d.",
+        (V * d if cfg.tied else -V * d): (" The LM head is tied here: it is the embedding's matrix, counted once."
+                                          if cfg.tied else " The LM head is untied: a V x d matrix of its own."),
+        (2 * L + 1) * d: " RMSNorm has a gain and no shift: d per norm, not LayerNorm's 2d.",
+        2 * L * d: " RMSNorm has a gain and no shift: d per norm, not LayerNorm's 2d.",
+        -(2 * L + 1) * d: " The norms are parameters too: two RMSNorm gains per block and a final one, d each.",
+        -2 * L * d: " Each block has two RMSNorm gains, d each.",
+        -d: " There is a final RMSNorm after the last block (d).",
+        L * ((cfg.heads + 2 * cfg.n_kv_heads) * cfg.head_dim + d + 2 * f + d): " The Llama family has no biases.",
+    }
+    return slips.get(got - want, "") if isinstance(got, (int, float)) and not isinstance(got, bool) else ""
+
+
+def grade_llama_params(fn, source) -> str:
+    if re.search(r"count_params|params_per_layer|attention_params|estimate\.params", source or ""):
+        raise Wrong("your llama_params calls the library's count (labsupport.estimate.params), the very count the "
+                    "check compares with: add up the matrices and the norms yourself")
+    shapes = _llama_shapes()
+    for cfg in shapes:
+        got = attempt(fn, cfg.n_layers, cfg.hidden, cfg.heads, cfg.n_kv_heads, cfg.ffn, cfg.vocab, cfg.tied)
+        want = count_params(cfg)
+        if got != want:
+            raise Wrong(f"for {cfg.name} (L={cfg.n_layers}, d={cfg.hidden}, heads={cfg.heads}, kv_heads="
+                        f"{cfg.n_kv_heads}, ffn_hidden={cfg.ffn}, V={cfg.vocab}, tied={cfg.tied}) you count {got!r}, "
+                        f"the model has {want:,} parameters.{_llama_diagnosis(cfg, got, want)}")
+    return (f"exact for llama-micro (untied, and tied), Mistral 7B ({count_params(shapes[2]):,}), Llama 3 8B and "
+            f"Llama 3 70B")
+
+
+def _llama_lesson() -> str:
+    mistral, l8, l70 = (PRESETS[name] for name in ("mistral-7b", "llama3-8b", "llama3-70b"))
+    vocab_share = 2 * l8.vocab * l8.hidden / count_params(l8)
+    return paragraphs(
+        f"""A Llama-family block spends its parameters differently from GPT-2's. Grouped-query attention gives K and V
+        kv_heads heads where Q has heads: they are {mistral.heads // mistral.n_kv_heads}x smaller than Q in Mistral 7B
+        and Llama 3 8B, {l70.heads // l70.n_kv_heads}x in Llama 3 70B. SwiGLU's MLP has three matrices of width
+        ffn_hidden where GPT's has two of width 4d: at Mistral 7B's width, {mistral.ffn / mistral.hidden:g} d, that is
+        {3 * mistral.ffn / mistral.hidden:g} d² against GPT's 8 d². RMSNorm keeps a gain and no shift, no layer has a
+        bias, and RoPE rotates queries and keys without a parameter of its own.""",
+        f"""An untied LM head makes the vocabulary cost two V x d matrices: with Llama 3's {l8.vocab:,} tokens they are
+        {vocab_share:.0%} of Llama 3 8B.""")
+
+
+register(Exercise(
+    name="llama_params", notebook="01", title="Count a Llama's parameters",
+    grade=grade_llama_params,
+    hints=("Attention: Q and the output projection are d x d each. K and V each map d to kv_heads heads of "
+           "head_dim = hidden / heads features.",
+           "The MLP (SwiGLU) has three matrices of d x ffn_hidden; each RMSNorm is a gain of d, two per block; no "
+           "biases anywhere.",
+           "Around the blocks: the embedding (V·d), the LM head (another V·d unless tied), a final RMSNorm (d). RoPE "
+           "has no parameters."),
+    lesson=_llama_lesson(),
+    solution='''
+def llama_params(n_layers, hidden, heads, kv_heads, ffn_hidden, vocab, tied):
+    d = hidden
+    kv = kv_heads * (hidden // heads)        # K and V: kv_heads heads of head_dim features
+    attention = 2 * d * d + 2 * d * kv       # Q and the output projection; K and V (no biases)
+    mlp = 3 * d * ffn_hidden                 # SwiGLU: gate, up and down
+    block = attention + mlp + 2 * d          # + two RMSNorm gains
+    head = 0 if tied else vocab * d          # an untied LM head is a matrix of its own
+    return vocab * d + head + n_layers * block + d   # embedding, head, blocks, final RMSNorm
 '''))
 
 
