@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ..estimate.flops import training_days as reference_days
 from ..estimate.memory import BYTES_PER_PARAM
-from ..estimate.params import count_params
+from ..estimate.params import count_params, params_per_layer
 from ..estimate.shapes import preset_shape
 from ..model import GPT2_VOCAB, PRESETS
 from .exercise import Exercise, Wrong, attempt, paragraphs, register
@@ -120,6 +120,30 @@ def _llama_lesson() -> str:
         bias, and RoPE rotates queries and keys without a parameter of its own.""",
         f"""An untied LM head makes the vocabulary cost two V x d matrices: with Llama 3's {l8.vocab:,} tokens they are
         {vocab_share:.0%} of Llama 3 8B.""")
+
+
+def count_by_part(cfg) -> tuple[dict, dict]:
+    """A Llama-family model's parameters part by part, a block's and the whole model's; printed as a table once
+    llama_params is earned (the parts are that exercise's answer), a locked line before. Returns both dicts."""
+    from . import exercise
+    d, kv = cfg.hidden, cfg.n_kv_heads * cfg.head_dim
+    block = {"Q and the output projection, 2·d·d": 2 * d * d, "K and V, 2·d·(g·e)": 2 * d * kv,
+             "MLP: gate, up and down, 3·d·f": 3 * d * cfg.ffn, "two RMSNorm gains, 2·d": 2 * d}
+    whole = {f"{cfg.n_layers} blocks": cfg.n_layers * sum(block.values()), "token embedding, V·d": cfg.vocab * d,
+             **({} if cfg.tied else {"LM head (untied), V·d": cfg.vocab * d}), "final RMSNorm, d": d}
+    total = count_params(cfg)
+    assert sum(block.values()) == params_per_layer(cfg) and sum(whole.values()) == total, "the parts miss the count"
+    if not exercise.unlocked("llama_params"):
+        exercise.locked("llama_params", f"{cfg.name}'s count, part by part,")
+        return block, whole
+    print(f"{cfg.name + ', one block':<38}{'parameters':>15}{'in d²':>9}")
+    for part, n in [*block.items(), ("one block", sum(block.values()))]:
+        print(f"  {part:<36}{n:>15,}" + ("" if "RMSNorm" in part else f"{n / d ** 2:>9.3f}"))
+    print(f"{cfg.name:<38}{'':>15}{'share':>9}")
+    for part, n in whole.items():
+        print(f"{part:<38}{n:>15,}{n / total:>9.1%}")
+    print(f"{'total (count_params)':<38}{total:>15,}")
+    return block, whole
 
 
 register(Exercise(
