@@ -1053,3 +1053,29 @@ def test_llama_params_is_not_solved_by_the_librarys_count(capsys):
             "def llama_params(n_layers, hidden, heads, kv_heads, ffn_hidden, vocab, tied):\n    return count_params(None)\n")
     status, message = grade("llama_params", call, capsys)
     assert status == ex.WRONG and "the library's count" in message, message
+
+
+# Notebook 07, issue 30: the positions a rank rotates its queries and keys by under the balanced split.
+ROPE_POSITIONS_WRONG = [
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    return list(range(seq_len // cp))",
+     r"s = 16, rank 1 of cp = 2: \[0, 1, .*, 7\] are the rows of the rank's own tensor, the same on every rank"),
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    return list(range(rank * 2 * c, (rank + 1) * 2 * c))",
+     r"\[8, 9, .*, 15\] is the plain split's piece .* 2 cp = 4 chunks of 4 and gives the rank two"),
+    ("back = rank, 2 * cp - 1 - rank", "back = rank, cp + rank",
+     r"the first chunk, \[4, 5, 6, 7\], is right; the second is \[12, 13, 14, 15\]"),
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    return list(range(front * c, (front + 1) * c))", r"the rank holds s / cp = 8 tokens, so 8 positions"),
+]
+
+
+def test_rope_positions_reference_passes(capsys):
+    status, out = grade("rope_positions", solution("rope_positions"), capsys)
+    assert status == ex.SOLVED and "s = 32, cp = 4, rank 2" in out, out
+
+
+@pytest.mark.parametrize("old, new, feedback", ROPE_POSITIONS_WRONG)
+def test_rope_positions_wrong_answers_get_their_feedback(old, new, feedback, capsys):
+    status, message = grade("rope_positions", mutate("rope_positions", old, new), capsys)
+    assert status == ex.WRONG and re.search(feedback, message), message

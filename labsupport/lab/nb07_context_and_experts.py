@@ -355,6 +355,80 @@ def causal_ring_attention(q, k, v):
 '''))
 
 
+# ---------------------------------------------------------------- one process: the positions RoPE needs on a rank
+
+ROPE_CASES = ((16, 1, 2), (16, 0, 2), (32, 2, 4), (24, 1, 3))  # (s, rank, cp), the first the notebook's question
+
+
+def _balanced(seq_len: int, rank: int, cp: int) -> list[int]:
+    """The places in the whole sequence of the tokens rank `rank` holds under the balanced split, in its order."""
+    c = seq_len // (2 * cp)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c))
+
+
+def _as_ints(got) -> list[int] | None:
+    """The attendee's answer as a list of ints (a list, tuple, range or 1-D tensor of whole numbers), or None."""
+    try:
+        values = got.tolist() if hasattr(got, "tolist") else list(got)
+        return [int(x) for x in values] if all(float(x) == int(x) for x in values) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def grade_rope_positions(fn, source) -> str:
+    for s, rank, cp in ROPE_CASES:
+        case = f"s = {s}, rank {rank} of cp = {cp}"
+        got = _as_ints(attempt(fn, s, rank, cp))
+        want = _balanced(s, rank, cp)
+        c = s // (2 * cp)
+        if got is None:
+            raise Wrong(f"{case}: return the positions as a list of whole numbers (or a 1-D integer tensor)")
+        if got == want:
+            continue
+        if len(got) != len(want):
+            raise Wrong(f"{case}: the rank holds s / cp = {len(want)} tokens, so {len(want)} positions, one per token "
+                        f"in the order it holds them; you returned {len(got)}")
+        if got == list(range(len(want))):
+            raise Wrong(f"{case}: {got} are the rows of the rank's own tensor, the same on every rank; RoPE turns a "
+                        "token by its place in the whole sequence, and a rank's tokens sit elsewhere in it")
+        plain = list(range(rank * 2 * c, (rank + 1) * 2 * c))
+        if got == plain:
+            raise Wrong(f"{case}: {got} is the plain split's piece (the rank's r-th of cp contiguous pieces); the "
+                        f"balanced split cuts the sequence into 2 cp = {2 * cp} chunks of {c} and gives the rank two")
+        if got[:c] == want[:c]:
+            raise Wrong(f"{case}: the first chunk, {got[:c]}, is right; the second is {got[c:]}, but it should be the "
+                        "chunk as far from the end of the sequence as the first is from its start")
+        if sorted(got) == want:
+            raise Wrong(f"{case}: the right positions in another order; give them in the order the rank holds its "
+                        "tokens: its front chunk, then its back chunk")
+        raise Wrong(f"{case}: you returned {got}; the sequence has {2 * cp} chunks of {c} positions, and the rank holds "
+                    f"two of them")
+    return ("the positions of every rank's tokens under the balanced split, checked at " +
+            ", ".join(f"s = {s}, cp = {cp}, rank {rank}" for s, rank, cp in ROPE_CASES))
+
+
+register(Exercise(
+    name="rope_positions", notebook="07", title="The positions a rank rotates by, balanced split",
+    grade=grade_rope_positions,
+    hints=("The balanced split cuts the s positions into 2 cp chunks of c = s / (2 cp) and gives rank r chunk r "
+           "and chunk 2 cp - 1 - r, in that order. A chunk j holds positions j c ... j c + c - 1.",
+           "c = seq_len // (2 * cp); return list(range(r * c, (r + 1) * c)) followed by the positions of chunk "
+           "2 cp - 1 - r, built the same way."),
+    lesson=("A rank's tokens keep their places in the sequence wherever they are computed: rank r of the balanced "
+            "split holds chunk r and chunk 2 cp - 1 - r, and rotates their queries and keys by those places. The "
+            "rows of its own tensor, 0 ... s/cp - 1, are the same on every rank, so rotating by them would turn "
+            "every rank's tokens as if they began the sequence. The keys are rotated before they travel, so a block "
+            "arriving from another rank already carries its tokens' angles: the ring passes K and V and nothing "
+            "else."),
+    solution='''
+def rope_positions(seq_len, rank, cp):
+    """The positions in the whole sequence of the tokens this rank holds (balanced split), in its order."""
+    c = seq_len // (2 * cp)                           # 2 cp chunks of c positions
+    front, back = rank, 2 * cp - 1 - rank             # one chunk from the front, one from the back
+    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))
+'''))
+
+
 # ---------------------------------------------------------------- on ranks: the all-to-all's dispatch
 
 EXPERTS = (4, 8)  # 2 experts a rank, then 4: where experts per rank and ranks differ, e // ep is not the rank
@@ -506,6 +580,14 @@ WHY = {
                    "Backward: K and V travel again, and beside them the sums of dK and dV for the block, which collect "
                    "each rank's contribution on their way back to its owner: 4 blocks. 6 blocks of "
                    "b x s/2 x h x 4 bytes = {block:,} bytes each; the receives are the same bytes the other way."),
+    "llama_ring_bytes": ("Only K and V travel, and a Llama's are kv_heads x head_dim = {kv_heads} x {head_dim} = "
+                         "{kv_width:,} numbers wide, not the hidden size {hidden:,}: its {heads} query heads read "
+                         "{kv_heads} key/value heads. Rank 0 holds b x s/cp = {positions:,} positions, so a K block is "
+                         "{positions:,} x {kv_width:,} x 2 bytes = {block:,}, and with cp = 2 it sends K and V once: "
+                         "{sent:,} bytes. With multi-head attention (as many K/V heads as query heads) the same ring "
+                         "would send {mha:,}, heads / kv_heads = {ratio:g} times as many; the backward's K, V and dK, "
+                         "dV sums shrink by the same factor, and the number of sends does not change. A ring placed "
+                         "after the K/V heads have been repeated over the query heads pays the multi-head bytes."),
     "dropped": ("At factor 1.0 an expert's capacity is its balanced share of the assignments, C = ceil(1.0 x 2 x "
                 "128 / 4) = {capacity}. The router's choices do not depend on the capacity: the experts got {routed} "
                 "assignments, and each drops what it got beyond {capacity}: {dropped} in all. At factor 1.25, C = "
