@@ -540,6 +540,15 @@ WHY = {
                 "which buys storing s/T positions; the all-gather of the positions the embedding scattered; and one "
                 "all-reduce per step of the LayerNorm and bias gradients (each rank saw only its positions, so each "
                 "holds a partial sum)."),
+    "gqa_qkv_rows": ("Each rank takes whole query groups: 8 key/value heads over 8 ranks is one group per rank, its 8 "
+                     "query heads (64 / 8) with their one key head and one value head, 10 heads of 8192 / 64 = 128 "
+                     "features each: 10 x 128 = 1,280 rows, an eighth of the matrix's 10,240. The key/value heads are "
+                     "split like the query heads, not copied: a rank that kept all 8 of them beside its 8 query heads "
+                     "would hold (8 + 2 x 8) x 128 = 3,072 rows, as many as a rank of the multi-head model (3 x 8192 "
+                     "/ 8). Any cut of the rows into 8 equal blocks has this count; the order of the rows decides what "
+                     "a block holds. Megatron-LM's order, group by group (below), makes it one whole group; in the "
+                     "order all queries, then all keys, then all values, rank 0's block would be query heads 0 to 9 "
+                     "and no key at all."),
     "cross_node": ("The bytes per rank hardly change (2 (T-1)/T goes from 1.75 to 1.875 times the message), the "
                    "bandwidth per GCD drops from 50 to the bound's 12.5 GB/s, and the ring's latency term grows (30 "
                    "steps instead of 14, each at the assumed 10 us instead of 5). The factor is an estimate: its "
