@@ -311,7 +311,7 @@ def cmd_plan(args) -> int:
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
     from .estimate.params import active_params, count_params
-    from .estimate.planner import describe, plan, search, tflops_per_gpu, why
+    from .estimate.planner import describe, plan, rates, search, why
     cfg, machine = _model(args), _plan_machine(args)
     global_batch = args.global_batch if args.global_batch is not None else args.gpus
     if args.top < 1:
@@ -321,7 +321,6 @@ def cmd_plan(args) -> int:
     options = dict(precision=args.precision, efficiency=args.efficiency, **fixed)
     configs = plan(cfg, machine, args.gpus, global_batch, **options)
     best = configs[0]
-    tokens = global_batch * cfg.seq_len
     shown = configs[:args.top]
     context = any(c.cp > 1 for c in shown)  # a cp column only where a layout splits the sequence
     lines = [f"{cfg.name}: {args.gpus} GPUs of {machine.name} ({machine.memory_gb:g} GB, "
@@ -329,13 +328,13 @@ def cmd_plan(args) -> int:
              f"{len(configs)} layouts fit, the {min(args.top, len(configs))} fastest:",
              f"{'#':>3} {'dp':>5} {'tp':>3} " + (f"{'cp':>3} " if context else "")
              + f"{'pp':>4} {'mb':>3} {'zero':>4} {'recompute':>9} {'GB/GPU':>7} {'step s':>9} {'tokens/s':>10} "
-             f"{'TFLOP/s/GPU':>11}"]
+             f"{'TFLOP/s/GPU':>11} {'MFU':>5}"]
     for i, c in enumerate(shown, 1):
-        achieved = tflops_per_gpu(c, cfg, global_batch)
+        r = rates(c, cfg, machine, global_batch)
         cp = f"{c.cp:>3} " if context else ""
         lines.append(f"{i:>3} {c.dp:>5} {c.tp:>3} {cp}{c.pp:>4} {c.micro_batch:>3} {c.zero:>4} {c.recompute:>9} "
-                     f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {tokens / c.step_time_s:>10.4g} "
-                     f"{achieved:>11.4g}")
+                     f"{c.memory_per_gpu / 1e9:>7.1f} {c.step_time_s:>9.4g} {r['tokens_per_s']:>10.4g} "
+                     f"{r['tflops_per_gpu']:>11.4g} {r['mfu']:>5.1%}")
     lines.append("Why #1:")
     lines += ["  " + line for line in why(best, cfg, machine, args.gpus, global_batch, args.precision, args.efficiency)]
     for i, c in enumerate(configs[1:3], 2):
@@ -344,7 +343,7 @@ def cmd_plan(args) -> int:
     payload = {"n_params": count_params(cfg),
                **({"active_params": active_params(cfg)} if cfg.experts else {}),
                "gpus": args.gpus, "global_batch": global_batch, "machine": vars(machine).copy(),
-               "configs": [c.to_json() for c in configs[:args.top]]}
+               "configs": [{**c.to_json(), **rates(c, cfg, machine, global_batch)} for c in configs[:args.top]]}
     if args.search:
         trajectory = search(cfg, machine, args.gpus, global_batch, args.search, args.seed, **options)
         lines.append(f"random search, {len(trajectory)} samples (seed {args.seed}): sample, layout, step s "

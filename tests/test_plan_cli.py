@@ -37,6 +37,20 @@ def test_json_is_a_ranked_list_with_the_contract_keys(capsys):
     assert all(c["dp"] * c["tp"] * c["pp"] == 128 for c in result["configs"])
 
 
+def test_json_carries_the_rates_the_table_prints(capsys):
+    """tokens/s, TFLOP/s per GPU (recomputation included, Narayanan's count) and MFU (the model's FLOPs alone):
+    the table's row and the JSON's are the same numbers; full recomputation executes a third more than MFU counts."""
+    (best,) = plan_json(capsys, *WORKSHOP_175B, "--top", "1")["configs"]
+    code, out, _ = plan(capsys, *WORKSHOP_175B, "--top", "1")
+    row = out.splitlines()[2].split()
+    assert (row[0], float(row[-3]), float(row[-2]), row[-1]) == (
+        "1", float(f"{best['tokens_per_s']:.4g}"), float(f"{best['tflops_per_gpu']:.4g}"), f"{best['mfu']:.1%}")
+    peak = 191.5e12  # Frontier's MI250X GCD, bf16
+    executed = best["tflops_per_gpu"] * 1e12 / peak
+    assert executed / best["mfu"] == pytest.approx(4 / 3, rel=0.03), "full recomputation: one more forward of 3 passes"
+    assert best["tokens_per_s"] == pytest.approx(640 * 2048 / best["step_time_s"])
+
+
 def test_human_output_is_a_table_and_the_reasons(capsys):
     code, out, _ = plan(capsys, *FRONTIER_175B, "--top", "3")
     assert code == 0

@@ -383,6 +383,16 @@ def tflops_per_gpu(c: Config, cfg, global_batch: int) -> float:
     return step_flops(cfg, global_batch, c.recompute) / c.step_time_s / c.gpus / 1e12
 
 
+def rates(c: Config, cfg, machine: Machine, global_batch: int) -> dict:
+    """What the plan's table prints for a layout, for tools that read `plan --json`: tokens per second, the
+    TFLOP/s each GPU executes (recomputation included, as `tflops_per_gpu`), and MFU, the model's FLOPs alone
+    (no recomputation) over the GPUs' peak (Chowdhery et al. 2022, "PaLM", App. B)."""
+    model = step_flops(cfg, global_batch, "none") / c.step_time_s / c.gpus
+    return {"tokens_per_s": global_batch * cfg.seq_len / c.step_time_s,
+            "tflops_per_gpu": tflops_per_gpu(c, cfg, global_batch),
+            "mfu": model / (machine.peak_tflops_bf16 * 1e12)}
+
+
 def describe(c: Config) -> str:
     """'TP 4 x PP 16 x DP 2, micro-batch 1, ZeRO-1, full recomputation' ('TP 8 x CP 16 x PP 16 x DP 8, ...'
     with context parallelism), the axes in Mesh's order, fastest first."""
