@@ -326,7 +326,7 @@ def test_a_shape_the_family_cannot_take_is_one_line(changes, message):
 
 def test_tensor_parallel_problems_name_heads_kv_heads_and_ffn():
     """The torch-free checks a tensor-parallel step reuses: tp must split query heads, key/value heads (as
-    Megatron-LM's divide(num_query_groups, tp) asserts) and the MLP's units into whole pieces."""
+    Megatron Core up to 0.15's divide(num_query_groups, tp) asserts) and the MLP's units into whole pieces."""
     from labsupport.estimate.shapes import PRESETS, tensor_parallel_problems
     llama = PRESETS["llama-micro"]
     assert tensor_parallel_problems(llama, 2) == []

@@ -205,8 +205,8 @@ def test_bad_degrees_are_refused_before_anything_runs(fixed, message):
 
 def test_tensor_parallel_degrees_split_whole_key_value_heads():
     """Llama 3 8B has 32 query heads on 8 key/value heads: tp 16 divides the heads but would cut key/value
-    heads apart (Megatron-LM's divide(num_query_groups, tp) refuses it), so the planner neither tries it
-    nor takes it."""
+    heads apart (Megatron Core up to 0.15 refuses it; the library always does), so the planner neither
+    tries it nor takes it."""
     cfg = PRESETS["llama3-8b"]
     assert {layout[1] for layout in layouts(cfg, DGX_H100, 32, 256)} == {1, 2, 4, 8}
     with pytest.raises(ValueError, match=re.escape("tp 16 must divide the model's key/value heads (8)")):

@@ -157,9 +157,11 @@ def tensor_parallel_problems(cfg, tp: int) -> list[str]:
     Megatron-LM's column/row split (Shoeybi et al. 2019, Sec. 3) gives each rank heads / tp query heads
     and ffn / tp of the MLP's inner units (of each of SwiGLU's gate and up). With grouped-query
     attention each rank also takes kv_heads / tp whole key/value heads, the ones its query heads read:
-    Megatron-LM splits its `num_query_groups` the same way, `divide(num_query_groups, tp)`, which asserts
-    that tp divides it. (vLLM's QKVParallelLinear instead replicates each key/value head on tp / kv_heads
-    ranks when tp exceeds kv_heads; this check refuses such a tp, as Megatron-LM does.)"""
+    Megatron-LM up to Megatron Core 0.15 splits its `num_query_groups` the same way,
+    `divide(num_query_groups, tp)`, which asserts that tp divides it; since 0.16 it also takes a tp
+    that kv_heads divides (each rank all-gathers qkv's output and keeps its group's block), and vLLM's
+    QKVParallelLinear copies each key/value head onto tp / kv_heads ranks. This check refuses such a
+    tp by this library's choice: every rank holds whole query groups."""
     out = []
     for what, size in (("attention heads", cfg.heads), ("key/value heads", cfg.n_kv_heads),
                        ("MLP's inner width (ffn_hidden)", cfg.ffn)):

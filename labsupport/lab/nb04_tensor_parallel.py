@@ -521,6 +521,19 @@ def conjugate_backward(op, grad):
 '''))
 
 
+def qkv_rows_per_rank(cfg, tp: int, rank: int = 0) -> int:
+    """Rows of one layer's fused W_qkv that `rank` of `tp` tensor-parallel ranks holds, for the shape `cfg`:
+    the model's own CausalSelfAttention built on the meta device (shapes only, no memory), its weight cut
+    into `tp` contiguous blocks of rows as ColumnParallelLinear cuts it (parallel/tensor.py's `_shard`).
+    Here, not in the notebook's reveal cell, whose source the attendee sees under the prediction."""
+    import torch
+
+    from ..model import CausalSelfAttention
+    with torch.device("meta"):
+        attn = CausalSelfAttention(cfg)
+    return attn.qkv.weight.chunk(tp, dim=0)[rank].shape[0]
+
+
 # Predict, then run: what `lab.reveal(guess_NAME, ..., why="NAME")` prints after the answer, kept here
 # and not in the notebook's cell, which the attendee reads before predicting.
 WHY = {

@@ -39,12 +39,16 @@ The Llama family (model.py's options) is cut by the same two functions, with no 
   keeps w1 and w3 apart, ColwiseParallel each, behind one PrepareModuleInput that gathers their input.
 * grouped-query attention (Ainslie et al. 2023): qkv's rows go by query group (model.py), so rank i's
   block of rows is kv_heads/T whole key/value heads with the heads/T query heads that read them,
-  and proj's block of columns is those query heads' output. T must divide kv_heads: Megatron-LM
-  splits `num_query_groups` the same way (`divide(num_query_groups, tp)` in its Attention, which
-  asserts it) and never copies a key/value head. vLLM (inference) instead keeps one key/value head
-  per rank, each on tp/kv_heads ranks (`num_kv_head_replicas` in its QKVParallelLinear), when tp >=
-  kv_heads; training would then have to sum those copies' gradients, which this module does not do:
-  such a T is refused (`ParallelAttention` raises ValueError; the step names the numbers).
+  and proj's block of columns is those query heads' output. T must divide kv_heads, a choice of
+  this module: every rank then holds whole groups, weights and activations, and attention needs no
+  communication. Megatron-LM asserted the same up to Megatron Core 0.15 (`divide(num_query_groups,
+  tp)` in its Attention); since 0.16 (PR #2565) it also takes a T that kv_heads divides: each rank
+  all-gathers qkv's output and keeps the block of its group (rank // (T/kv_heads)), so a group's
+  K/V activations are computed on T/kv_heads ranks, no weight copied, for one more all-gather per
+  layer (a reduce-scatter in backward). vLLM (inference) instead copies a key/value head's weights
+  onto tp/kv_heads ranks (`num_kv_head_replicas` in its QKVParallelLinear) when tp >= kv_heads;
+  training would then have to sum those copies' gradients. Such a T is refused here
+  (`ParallelAttention` raises ValueError; the step names the numbers).
 * RoPE rotates q and k inside the attention, after qkv, by the positions the model gives every block.
   Without sequence parallelism every rank holds every position; with it, qkv has just all-gathered
   them, so the rotation always sees the whole sequence and its global positions 0..t-1, as on one
@@ -280,7 +284,7 @@ class ParallelAttention(CausalSelfAttention):
     With grouped-query attention the rank's block of qkv rows is kv_heads/T query groups (each its
     r query heads, then its key and value head), so r = heads / kv_heads is the same on every rank
     and the forward finds kv_heads/T groups in its rows. T must divide kv_heads (ValueError
-    otherwise): a rank cannot hold part of a key/value head's readers without the head."""
+    otherwise, by this module's choice: every rank holds whole groups; see the module docstring)."""
 
     def __init__(self, attn: CausalSelfAttention, group=None, *, sequence_parallel: bool = False):
         nn.Module.__init__(self)
@@ -289,8 +293,8 @@ class ParallelAttention(CausalSelfAttention):
         kv_heads, ranks = attn.qkv.out_features // (attn.head_dim * (attn.q_per_kv + 2)), comm.get_world_size(group)
         if kv_heads % ranks:
             raise ValueError(f"ParallelAttention: {kv_heads} key/value heads (query groups) do not split over {ranks} "
-                             f"tensor-parallel ranks; use a group size that divides {kv_heads} (Megatron-LM refuses "
-                             "it too)")
+                             f"tensor-parallel ranks; use a group size that divides {kv_heads} (this library keeps "
+                             "whole query groups on each rank)")
         self.qkv = ColumnParallelLinear(attn.qkv, group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(attn.proj, group, sequence_parallel=sequence_parallel)
 
@@ -470,8 +474,8 @@ class TensorParallelStep(Step):
                     out.append(f"--tp {config.tp} must divide the model's {what} ({size})")
             if model.n_kv_heads != model.heads and model.n_kv_heads % config.tp:
                 out.append(f"--tp {config.tp} must divide the model's key/value heads ({model.n_kv_heads}): each rank "
-                           f"keeps whole key/value heads with their query heads, as Megatron-LM splits its query "
-                           f"groups (it copies no key/value head); use a --tp that divides {model.n_kv_heads}")
+                           f"keeps whole key/value heads with their query heads (this library's choice; Megatron "
+                           f"Core 0.16+ also takes a --tp they divide); use a --tp that divides {model.n_kv_heads}")
             if model.ffn % config.tp and model.ffn != 4 * model.hidden:  # 4 hidden: the hidden size's line says it
                 out.append(f"--tp {config.tp} must divide the model's MLP width (ffn_hidden {model.ffn})")
             if config.sequence_parallel and model.seq_len % config.tp:

@@ -13,10 +13,11 @@ DeviceMesh made from the rank grid's TP group:
   1/T of the rows, and TinyGPT lays the rows out by query group (model.py), so that block is
   kv_heads/T whole key/value heads with their query heads, and proj's `Shard(1)` the matching
   query heads' columns; the attention reads its local head counts off the shapes. T must divide
-  kv_heads (the step refuses it: DTensor would cut a head apart without a word). torchtitan keeps
-  wq, wk, wv as three matrices, `ColwiseParallel` each, which splits the query heads and the
-  key/value heads alike (heads/T and kv_heads/T per rank) and reads them with `-1` views: the same
-  heads on the same rank, in three matrices instead of one. RoPE rotates the local q and k (plain
+  kv_heads (the step refuses it: DTensor would cut a head apart without a word). torchtitan kept
+  wq, wk, wv as three matrices, `ColwiseParallel` each, until mid-2026; its FusedQKVLinear (PR #2878,
+  April 2026; its Llama 3 default since PR #3714, June 2026) is one wqkv laid out
+  (n_kv_heads, heads/kv_heads + 2, head_dim) by key/value group, as here, `ColwiseParallel`,
+  read with a `-1` view: the same heads on the same rank either way. RoPE rotates the local q and k (plain
   tensors, qkv's local output) by the global positions the blocks get by keyword; RMSNorm is
   `SequenceParallel` as LayerNorm;
 * the token embedding `RowwiseParallel` (vocabulary rows, the partial rows summed), the LM
