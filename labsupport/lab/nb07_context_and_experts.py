@@ -454,11 +454,10 @@ ROPE_TURNED_BY = ("positions in the sequence", "rows 0 .. s/cp - 1")
 
 def rope_blocks(q, k, theta: float) -> dict:
     """One head's queries and keys (s x head_dim, before RoPE) split over cp = 2 ranks, plain and balanced: the
-    largest |score - one device's| of rank r's queries against rank o's keys, with both turned by their positions in
-    the sequence, and with both turned by the rows of the rank's tensors, 0 .. s/cp - 1. Keys
-    (split, turned_by, r, o), turned_by one of ROPE_TURNED_BY. Prints the table; the rows' lines and their reading
-    only once causal_ring_attention is unlocked (a mask on local rows instead of global positions is that bug lab's
-    cause), a locked line before."""
+    largest |score - one device's| of rank r's queries against rank o's keys, turned on their ranks as RoPE turns
+    them, in the two ways of ROPE_TURNED_BY; keys (split, turned_by, r, o). Prints the table of the first way; the
+    second's lines and their reading only once causal_ring_attention is unlocked (they bear on that bug
+    lab), a locked line before."""
     import torch
 
     from ..model import rotate
