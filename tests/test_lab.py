@@ -1059,10 +1059,23 @@ def test_llama_params_is_not_solved_by_the_librarys_count(capsys):
 ROPE_POSITIONS_WRONG = [
     ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
      "    return list(range(seq_len // cp))",
-     r"s = 16, rank 1 of cp = 2: \[0, 1, .*, 7\] are the rows of the rank's own tensor, the same on every rank"),
+     r"s = 24, rank 1 of cp = 3: \[0, 1, .*, 7\] are the rows of the rank's own tensor, the same on every rank"),
     ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
      "    return list(range(rank * 2 * c, (rank + 1) * 2 * c))",
-     r"\[8, 9, .*, 15\] is the plain split's piece .* 2 cp = 4 chunks of 4 and gives the rank two"),
+     r"\[8, 9, .*, 15\] is the plain split's piece .* 2 cp = 6 chunks of 4 and gives the rank two"),
+    # a contiguous window of s / cp from the rank's first chunk: the first case's chunks lie apart, so it fails there on
+    # its second chunk, not with the rows' message
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    return list(range(front * c, front * c + seq_len // cp))",
+     r"s = 24, rank 1 of cp = 3: the first chunk, \[4, 5, 6, 7\], is right; the second is \[8, 9, 10, 11\]"),
+    # the library's own split, one call: refused
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    from labsupport.parallel.context import positions\n    return positions(seq_len, rank, cp, True).tolist()",
+     r"calls positions\(\.\.\.\) or shard_sequence\(\.\.\.\), the library's own split"),
+    ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
+     "    from labsupport.parallel import context\n"
+     "    return context.shard_sequence(torch.arange(seq_len)[None], rank, cp, True)[0].tolist()",
+     r"calls positions\(\.\.\.\) or shard_sequence\(\.\.\.\), the library's own split"),
     ("back = rank, 2 * cp - 1 - rank", "back = rank, cp + rank",
      r"the first chunk, \[4, 5, 6, 7\], is right; the second is \[12, 13, 14, 15\]"),
     ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
@@ -1072,7 +1085,7 @@ ROPE_POSITIONS_WRONG = [
 
 def test_rope_positions_reference_passes(capsys):
     status, out = grade("rope_positions", solution("rope_positions"), capsys)
-    assert status == ex.SOLVED and "s = 32, cp = 4, rank 2" in out, out
+    assert status == ex.SOLVED and "s = 24, cp = 3, rank 1" in out and "s = 32, cp = 4, rank 2" in out, out
 
 
 @pytest.mark.parametrize("old, new, feedback", ROPE_POSITIONS_WRONG)

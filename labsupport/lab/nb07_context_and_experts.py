@@ -14,6 +14,9 @@ attention under any mask, the merge, and the hop to the next rank (with its back
 """
 from __future__ import annotations
 
+import ast
+import re
+
 from . import on_ranks
 from .exercise import Exercise, Unsolved, Wrong, attempt, register
 from .ring_pieces import attend, merge, pass_on
@@ -357,7 +360,9 @@ def causal_ring_attention(q, k, v):
 
 # ---------------------------------------------------------------- one process: the positions RoPE needs on a rank
 
-ROPE_CASES = ((16, 1, 2), (16, 0, 2), (32, 2, 4), (24, 1, 3))  # (s, rank, cp), the first the notebook's question
+# (s, rank, cp), the first the notebook's question: rank 1's two chunks there, [4 .. 7] and [16 .. 19], lie apart,
+# so a contiguous window of s / cp positions fails it on its second chunk
+ROPE_CASES = ((24, 1, 3), (16, 1, 2), (16, 0, 2), (32, 2, 4))
 
 
 def _balanced(seq_len: int, rank: int, cp: int) -> list[int]:
@@ -375,7 +380,22 @@ def _as_ints(got) -> list[int] | None:
         return None
 
 
+def _calls_the_split(source) -> bool:
+    """Whether the source calls positions(...) or shard_sequence(...), the library's own answer (by its syntax
+    tree, so that a comment or docstring naming "positions (...)" is no call; by the text where it does not parse)."""
+    try:
+        tree = ast.parse(source or "")
+    except SyntaxError:
+        return bool(re.search(r"\bpositions\s*\(|shard_sequence\s*\(", source or ""))
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
+               in ("positions", "shard_sequence") for node in ast.walk(tree))
+
+
 def grade_rope_positions(fn, source) -> str:
+    if _calls_the_split(source):
+        raise Wrong("your rope_positions calls positions(...) or shard_sequence(...), the library's own split: "
+                    "write the positions from the balanced split's chunks yourself (the exercise is the positions, "
+                    "not a call)")
     for s, rank, cp in ROPE_CASES:
         case = f"s = {s}, rank {rank} of cp = {cp}"
         got = _as_ints(attempt(fn, s, rank, cp))
@@ -388,7 +408,7 @@ def grade_rope_positions(fn, source) -> str:
         if len(got) != len(want):
             raise Wrong(f"{case}: the rank holds s / cp = {len(want)} tokens, so {len(want)} positions, one per token "
                         f"in the order it holds them; you returned {len(got)}")
-        if got == list(range(len(want))):
+        if got == list(range(len(want))) and rank != 0:
             raise Wrong(f"{case}: {got} are the rows of the rank's own tensor, the same on every rank; RoPE turns a "
                         "token by its place in the whole sequence, and a rank's tokens sit elsewhere in it")
         plain = list(range(rank * 2 * c, (rank + 1) * 2 * c))
@@ -427,6 +447,52 @@ def rope_positions(seq_len, rank, cp):
     front, back = rank, 2 * cp - 1 - rank             # one chunk from the front, one from the back
     return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))
 '''))
+
+
+ROPE_TURNED_BY = ("positions in the sequence", "rows 0 .. s/cp - 1")
+
+
+def rope_blocks(q, k, theta: float) -> dict:
+    """One head's queries and keys (s x head_dim, before RoPE) split over cp = 2 ranks, plain and balanced: the
+    largest |score - one device's| of rank r's queries against rank o's keys, turned on their ranks as RoPE turns
+    them, in the two ways of ROPE_TURNED_BY; keys (split, turned_by, r, o). Prints the table of the first way; the
+    second's lines and their reading only once causal_ring_attention is unlocked (they bear on that bug
+    lab), a locked line before."""
+    import torch
+
+    from ..model import rotate
+    from ..parallel.context import positions
+    from . import exercise
+
+    s, whole = q.shape[0], torch.arange(q.shape[0])
+    one_device = rotate(q, whole, theta) @ rotate(k, whole, theta).T
+    errors = {}
+    for split, balanced in (("plain", False), ("balanced", True)):
+        for r in range(2):
+            for o in range(2):
+                q_pos, k_pos = positions(s, r, 2, balanced), positions(s, o, 2, balanced)
+                for turned_by, (q_at, k_at) in zip(ROPE_TURNED_BY, ((q_pos, k_pos),
+                                                                    (torch.arange(s // 2), torch.arange(s // 2)))):
+                    scores = rotate(q[q_pos], q_at, theta) @ rotate(k[k_pos], k_at, theta).T
+                    errors[split, turned_by, r, o] = (scores - one_device[q_pos][:, k_pos]).abs().max().item()
+    shown = ROPE_TURNED_BY if exercise.unlocked("causal_ring_attention") else ROPE_TURNED_BY[:1]
+    print("largest |score - one device's|, rank r's queries against rank o's keys, cp = 2:")
+    print(f"{'':>45}" + "".join(f"{f'q{r} . k{o}':>10}" for r in range(2) for o in range(2)))
+    for split in ("plain", "balanced"):
+        for turned_by in shown:
+            print(f"{split:>8}, turned by {turned_by:<25}"
+                  + "".join(f"{errors[split, turned_by, r, o]:>10.1e}" for r in range(2) for o in range(2)))
+    if len(shown) == 1:
+        exercise.locked("causal_ring_attention", "The rest of this table, and what it shows,")
+    else:
+        print(exercise.wrap(
+            "The rows of a rank's tensors are numbered 0 .. s/cp - 1 on every rank. Turned by their rows, a block "
+            "stays right only where both sides are shifted by the same amount, since a shift changes no m - n: with "
+            "the plain split a rank's queries against its own keys; with the balanced split at cp = 2 rank 1's own "
+            "block (its chunks 1 and 2 are adjacent), but not rank 0's (chunks 0 and 3). Every block that crossed "
+            "the ring is wrong. (Under the causal mask the plain split's rank 0 never uses rank 1's keys; the "
+            "balanced split uses every pair.) Section 13 asserts each of these."))
+    return errors
 
 
 # ---------------------------------------------------------------- on ranks: the all-to-all's dispatch

@@ -44,9 +44,10 @@ bytes (and the dK, dV sums of the backward) are kv_heads / heads of multi-head a
 (estimate/context.py, `ring_traffic`'s `kv_hidden`); each block's kernel reads the grouped heads
 itself (torch's fused CPU kernel does; "math" groups the queries by their key/value head), so no
 rank ever holds K or V repeated over the query heads. Repeating them before the ring computes the same
-and sends r times the bytes: torchtitan's Llama 3 (models/llama3/model/model.py) calls `repeat_kv` before
-its SDPA, so torch's `context_parallel`, which replaces that SDPA by its ring, passes every query head's
-copy. Megatron-LM's context parallelism (Transformer Engine's P2P ring) passes the K/V of the
+and sends r times the bytes: torchtitan's Llama 3 (torchtitan/models/llama3/model/model.py) up to its
+release v0.2.1 called `repeat_kv` before its SDPA, so torch's `context_parallel`, which replaces that SDPA
+by its ring, moved r times the grouped bytes; since v0.2.2 (PR #2259, "GQA without kv repeats") it passes
+the kv_heads heads with `enable_gqa=True`. Megatron-LM's context parallelism (Transformer Engine's P2P ring) passes the K/V of the
 `num_query_groups` heads, as here.
 RoPE rotates q and k by their *global* positions before the scores (model.py's `rotate`), so a K
 block carries its rotation with it around the ring and every score is single's: the positions
