@@ -1059,7 +1059,7 @@ def test_llama_params_is_not_solved_by_the_librarys_count(capsys):
 ROPE_POSITIONS_WRONG = [
     ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
      "    return list(range(seq_len // cp))",
-     r"s = 24, rank 1 of cp = 3: \[0, 1, .*, 7\] are the rows of the rank's own tensor, the same on every rank"),
+     r"s = 24, rank 1 of cp = 3: \[0, 1, .*, 7\] would be the same positions on every rank"),
     ("    return list(range(front * c, (front + 1) * c)) + list(range(back * c, (back + 1) * c))",
      "    return list(range(rank * 2 * c, (rank + 1) * 2 * c))",
      r"\[8, 9, .*, 15\] is the plain split's piece .* 2 cp = 6 chunks of 4 and gives the rank two"),
@@ -1092,3 +1092,12 @@ def test_rope_positions_reference_passes(capsys):
 def test_rope_positions_wrong_answers_get_their_feedback(old, new, feedback, capsys):
     status, message = grade("rope_positions", mutate("rope_positions", old, new), capsys)
     assert status == ex.WRONG and re.search(feedback, message), message
+
+
+def test_rope_positions_takes_an_attendees_own_helper_named_positions(capsys):
+    """Only the library's split is refused: a helper of the attendee's own with that natural name is their work."""
+    own = ("def positions(c, chunk):\n    return list(range(chunk * c, (chunk + 1) * c))\n\n\n"
+           "def rope_positions(seq_len, rank, cp):\n    c = seq_len // (2 * cp)\n"
+           "    return positions(c, rank) + positions(c, 2 * cp - 1 - rank)\n")
+    status, out = grade("rope_positions", own, capsys)
+    assert status == ex.SOLVED, out

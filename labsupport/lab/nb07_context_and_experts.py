@@ -381,8 +381,11 @@ def _as_ints(got) -> list[int] | None:
 
 
 def _calls_the_split(source) -> bool:
-    """Whether the source calls positions(...) or shard_sequence(...), the library's own answer (by its syntax
-    tree, so that a comment or docstring naming "positions (...)" is no call; by the text where it does not parse)."""
+    """Whether the source imports from labsupport and calls positions(...) or shard_sequence(...), the library's
+    own answer (by its syntax tree, so that a comment or docstring naming "positions (...)" is no call; by the text
+    where it does not parse). An attendee's own helper named positions, with no labsupport import, is theirs."""
+    if "labsupport" not in (source or ""):
+        return False
     try:
         tree = ast.parse(source or "")
     except SyntaxError:
@@ -409,8 +412,8 @@ def grade_rope_positions(fn, source) -> str:
             raise Wrong(f"{case}: the rank holds s / cp = {len(want)} tokens, so {len(want)} positions, one per token "
                         f"in the order it holds them; you returned {len(got)}")
         if got == list(range(len(want))) and rank != 0:
-            raise Wrong(f"{case}: {got} are the rows of the rank's own tensor, the same on every rank; RoPE turns a "
-                        "token by its place in the whole sequence, and a rank's tokens sit elsewhere in it")
+            raise Wrong(f"{case}: {got} would be the same positions on every rank; RoPE turns a token by its place in "
+                        "the whole sequence, and this rank's tokens sit elsewhere in it")
         plain = list(range(rank * 2 * c, (rank + 1) * 2 * c))
         if got == plain:
             raise Wrong(f"{case}: {got} is the plain split's piece (the rank's r-th of cp contiguous pieces); the "
@@ -435,9 +438,8 @@ register(Exercise(
            "c = seq_len // (2 * cp); return list(range(r * c, (r + 1) * c)) followed by the positions of chunk "
            "2 cp - 1 - r, built the same way."),
     lesson=("A rank's tokens keep their places in the sequence wherever they are computed: rank r of the balanced "
-            "split holds chunk r and chunk 2 cp - 1 - r, and rotates their queries and keys by those places. The "
-            "rows of its own tensor, 0 ... s/cp - 1, are the same on every rank, so rotating by them would turn "
-            "every rank's tokens as if they began the sequence. The keys are rotated before they travel, so a block "
+            "split holds chunk r and chunk 2 cp - 1 - r, and rotates their queries and keys by those places. The keys "
+            "are rotated before they travel, so a block "
             "arriving from another rank already carries its tokens' angles: the ring passes K and V and nothing "
             "else."),
     solution='''
@@ -455,9 +457,10 @@ ROPE_TURNED_BY = ("positions in the sequence", "rows 0 .. s/cp - 1")
 def rope_blocks(q, k, theta: float) -> dict:
     """One head's queries and keys (s x head_dim, before RoPE) split over cp = 2 ranks, plain and balanced: the
     largest |score - one device's| of rank r's queries against rank o's keys, turned on their ranks as RoPE turns
-    them, in the two ways of ROPE_TURNED_BY; keys (split, turned_by, r, o). Prints the table of the first way; the
+    them, in the two ways of ROPE_TURNED_BY; keys (split, turned_by, r, o); and, keyed (split, r, o), whether the
+    causal mask lets any of the block's queries see any of its keys. Prints the table of the first way; the
     second's lines and their reading only once causal_ring_attention is unlocked (they bear on that bug
-    lab), a locked line before."""
+    lab), a locked line before. Returns (errors, used)."""
     import torch
 
     from ..model import rotate
@@ -466,11 +469,12 @@ def rope_blocks(q, k, theta: float) -> dict:
 
     s, whole = q.shape[0], torch.arange(q.shape[0])
     one_device = rotate(q, whole, theta) @ rotate(k, whole, theta).T
-    errors = {}
+    errors, used = {}, {}
     for split, balanced in (("plain", False), ("balanced", True)):
         for r in range(2):
             for o in range(2):
                 q_pos, k_pos = positions(s, r, 2, balanced), positions(s, o, 2, balanced)
+                used[split, r, o] = bool((k_pos[None, :] <= q_pos[:, None]).any())
                 for turned_by, (q_at, k_at) in zip(ROPE_TURNED_BY, ((q_pos, k_pos),
                                                                     (torch.arange(s // 2), torch.arange(s // 2)))):
                     scores = rotate(q[q_pos], q_at, theta) @ rotate(k[k_pos], k_at, theta).T
@@ -492,7 +496,7 @@ def rope_blocks(q, k, theta: float) -> dict:
             "block (its chunks 1 and 2 are adjacent), but not rank 0's (chunks 0 and 3). Every block that crossed "
             "the ring is wrong. (Under the causal mask the plain split's rank 0 never uses rank 1's keys; the "
             "balanced split uses every pair.) Section 13 asserts each of these."))
-    return errors
+    return errors, used
 
 
 # ---------------------------------------------------------------- on ranks: the all-to-all's dispatch
