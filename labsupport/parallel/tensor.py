@@ -41,10 +41,10 @@ The Llama family (model.py's options) is cut by the same two functions, with no 
   block of rows is kv_heads/T whole key/value heads with the heads/T query heads that read them,
   and proj's block of columns is those query heads' output. T must divide kv_heads, a choice of
   this module: every rank then holds whole groups, weights and activations, and attention needs no
-  communication. Megatron-LM asserted the same up to Megatron Core 0.15 (`divide(num_query_groups,
-  tp)` in its Attention); since 0.16 (PR #2565) it also takes a T that kv_heads divides: each rank
+  communication. Megatron-LM required the same up to Megatron Core 0.15 (its TransformerConfig raises
+  ValueError, and `divide(num_query_groups, tp)` in its Attention asserts it); since 0.16 (PR #2565) it also takes a T that kv_heads divides: each rank
   all-gathers qkv's output and keeps the block of its group (rank // (T/kv_heads)), so a group's
-  K/V activations are computed on T/kv_heads ranks, no weight copied, for one more all-gather per
+  K/V activations are held on T/kv_heads ranks, no weight copied, for one more all-gather per
   layer (a reduce-scatter in backward). vLLM (inference) instead copies a key/value head's weights
   onto tp/kv_heads ranks (`num_kv_head_replicas` in its QKVParallelLinear) when tp >= kv_heads;
   training would then have to sum those copies' gradients. Such a T is refused here
