@@ -503,11 +503,22 @@ def test_estimate_memory_from_a_parameter_count():
     assert (custom["params"], custom["grads"], custom["optimizer"]) == (2000, 4000, 12000)
 
 
+def test_a_stage_count_that_does_not_divide_the_layers_is_counted_at_its_fullest_stage():
+    """70 layers on 12 stages (BLOOM-176B's split): the fullest stage holds 6 layers, so a device holds 6/70 of
+    the model's states over tp and, under 1F1B, 12 micro-batches through 6 layers: 72 layers' activations."""
+    from labsupport.estimate.memory import stage_layers
+    assert (stage_layers(70, 12), stage_layers(96, 8), stage_layers(5, 5)) == (6, 12, 1)
+    cfg = replace(PRESETS["gpt2"], n_layers=70)
+    whole, split = estimate_memory(cfg, tp=4), estimate_memory(cfg, tp=4, pp=12)
+    assert split["params"] == -(-count_params(cfg, padded=True) * 72 // 70 // 48) * 2
+    assert split["activations"] * 70 == whole["activations"] * 72
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(zero=4), "zero must be"),
     (dict(precision="fp8"), "unknown precision"),
     (dict(tp=5), "heads"),
-    (dict(pp=5), "layers"),
+    (dict(pp=13), "between 1 and the 12 layers"),
     (dict(recompute="some"), "unknown recompute"),
     (dict(dp=0), ">= 1"),
     (dict(bytes_override=dict(params=2)), "missing grads and optimizer"),

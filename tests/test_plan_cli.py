@@ -96,7 +96,7 @@ def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
 @pytest.mark.parametrize("args, message", [
     ([*FRONTIER_175B, "--dp", "2", "--tp", "4", "--pp", "8"], "dp x tp x pp = 2 x 4 x 8 = 64, not the 128 GPUs"),
     ([*FRONTIER_175B, "--tp", "5"], "tp 5 does not divide the 96 attention heads"),
-    ([*FRONTIER_175B, "--pp", "7"], "pp 7 does not divide the 96 layers"),
+    ([*FRONTIER_175B, "--pp", "128"], "pp 128 is more stages than the 96 layers"),
     ([*FRONTIER_175B, "--gpu-memory-gb", "0"], "memory_gb must be > 0"),
     (["--model", "175b", "--gpus", "128", "--gpu-memory-gb", "80"], "missing --gpus-per-node"),
     (["--model", "1t", "--gpus", "64", "--machine", "frontier"], "fits nowhere on 64 x 64 GB"),
@@ -181,3 +181,13 @@ def test_memory_and_plan_run_without_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_an_uneven_pipeline_is_planned_when_asked_for(capsys):
+    """BLOOM-176B's layout (70 layers, 12 stages, TP 4, DP 8 on 384 A100s; Le Scao et al. 2022, Sec. 3.4), which
+    the planner refused while pp had to divide the layers: its fullest stage (6 layers) is priced."""
+    bloom = ["--layers", "70", "--hidden", "14336", "--heads", "112", "--vocab", "250880", "--seq-len", "2048",
+             "--gpus", "384", "--machine", "dgx-a100", "--global-batch", "2048"]
+    (best,) = plan_json(capsys, *bloom, "--tp", "4", "--pp", "12", "--dp", "8", "--micro-batch", "2", "--zero", "1",
+                        "--recompute", "full")["configs"]
+    assert (best["dp"], best["tp"], best["pp"], best["fits"]) == (8, 4, 12, True)

@@ -193,7 +193,7 @@ def test_bad_machine_values_are_refused_in_one_line(field, value):
 @pytest.mark.parametrize("fixed, message", [
     (dict(dp=2, tp=4, pp=8), "dp x tp x pp = 2 x 4 x 8 = 64, not the 128 GPUs"),
     (dict(tp=5), "tp 5 does not divide the 96 attention heads"),
-    (dict(pp=5), "pp 5 does not divide the 96 layers"),
+    (dict(pp=128), "pp 128 is more stages than the 96 layers; pick at most 96"),
     (dict(dp=2, micro_batch=3), "not a multiple of dp x micro-batch = 2 x 3"),
     (dict(cp=3), "the sequence length 2048 does not split into 2 x cp = 6 chunks (the balanced split)"),
     (dict(dp=2, tp=4, pp=8, cp=4), "dp x tp x pp x cp = 2 x 4 x 8 x 4 = 256, not the 128 GPUs"),
@@ -362,3 +362,23 @@ def test_megatron_deepspeed_arguments_are_refused_for_a_cp_layout():
     for emit in (lambda: megatron_arguments(c, LLAMA3_70B_128K, 32), lambda: deepspeed_config(c, 32)):
         with pytest.raises(ValueError, match="uses context parallelism, which the workshop's Megatron-DeepSpeed fork"):
             emit()
+
+
+# BLOOM-176B's published layout (Le Scao et al. 2022, Sec. 3.4): 70 layers on 12 pipeline stages, TP 4, DP 8, 384 A100s
+BLOOM_LIKE = ModelConfig("bloom-like", n_layers=70, hidden=14336, heads=112, vocab=250880, seq_len=2048)
+
+
+def test_a_pipeline_of_stages_that_do_not_divide_the_layers_is_priced_by_its_fullest_stage():
+    """pp 12 on 70 layers: the fullest stage holds ceil(70 / 12) = 6 layers, so it computes 6 x 12 / 70 of
+    the mean stage's work, and holds 6 of the 70 layers' model states; an even split (pp 10: 7 layers) on
+    the same GPUs is priced as before. The planner proposes even splits only; an uneven one must be asked for."""
+    uneven = evaluate(BLOOM_LIKE, DGX_A100, 240, 2400, dp=5, tp=4, pp=12, recompute="full")
+    even = evaluate(BLOOM_LIKE, DGX_A100, 240, 2400, dp=6, tp=4, pp=10, recompute="full")
+    assert uneven.compute_s == pytest.approx(even.compute_s * 72 / 70)
+    held = count_params(BLOOM_LIKE, padded=True)
+    bloom = evaluate(BLOOM_LIKE, DGX_A100, 384, 2048, dp=8, tp=4, pp=12, micro_batch=2, zero=1, recompute="full")
+    assert bloom.fits and bloom.microbatches == 128
+    assert bloom.memory_per_gpu > held * 6 / 70 / 4 * 2, "at least the fullest stage's 16-bit weights"
+    with pytest.raises(NoFit, match="give a --pp that does not divide the layers"):
+        plan(BLOOM_LIKE, DGX_A100, 384, 2048)   # it proposes divisors of 70 only, and none splits 384 GPUs and 2048
+    assert all(c.pp == 12 for c in plan(BLOOM_LIKE, DGX_A100, 384, 2048, pp=12))

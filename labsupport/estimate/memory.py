@@ -232,6 +232,16 @@ def layer_activation_bytes(cfg, micro_batch: int = 1, tp: int = 1, sequence_para
                                       ffn=cfg.ffn, mlp=cfg.mlp, dropout=trains_with_dropout(cfg))
 
 
+def stage_layers(n_layers: int, pp: int) -> int:
+    """The layers of a pipeline's fullest stage: L / pp when pp divides L, else ceil(L / pp). Megatron-DeepSpeed's
+    pipeline (DeepSpeed's `PipelineModule`, partition "type:transformer") balances the layers as evenly as it can
+    when pp does not divide them, as for BLOOM-176B's 70 layers on 12 stages (Le Scao et al. 2022, Sec. 3.4); the
+    fullest stage holds the most and sets the pipeline's pace."""
+    if not 1 <= pp <= n_layers:
+        raise ValueError(f"pp ({pp}) must be between 1 and the {n_layers} layers: each stage holds at least one")
+    return -(-n_layers // pp)
+
+
 def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp: int = 1, tp: int = 1,
                     pp: int = 1, zero: int = 0, sequence_parallel: bool = False, recompute: str = "none",
                     bytes_override: dict | None = None, n_params: int | None = None,
@@ -249,6 +259,8 @@ def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp
     Activations are those of the first pipeline stage, the fullest: under 1F1B it holds pp
     micro-batches in flight, each through L/pp layers, so L layers' worth whatever pp is
     (Korthikanti et al. 2022, Sec 4.2.3); this assumes at least pp micro-batches per step.
+    A pp that does not divide the layers counts the fullest stage (`stage_layers`): its share of the
+    model states, and pp micro-batches through its layers.
     Only the transformer layers are counted, not the embedding or the logits. The paper counts
     16-bit activations; we scale by the weights' bytes: x2 in fp32, a slight overestimate since
     the 1-byte dropout masks do not grow. The layer is the shape's own (`layer_activation_bytes`):
@@ -270,14 +282,14 @@ def estimate_memory(cfg=None, micro_batch: int = 1, precision: str = "mixed", dp
             raise ValueError(f"heads ({cfg.heads}) must be divisible by tp ({tp})")
         if tensor_parallel_problems(cfg, tp):  # the key/value heads, the MLP's width
             raise ValueError(tensor_parallel_problems(cfg, tp)[0])
-        if cfg.n_layers % pp:
-            raise ValueError(f"layers ({cfg.n_layers}) must be divisible by pp ({pp})")
+        fullest = stage_layers(cfg.n_layers, pp)
         if sequence_parallel and cfg.seq_len % tp:
             raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by tp ({tp}) for sequence parallelism")
         n_params = count_params(cfg)
-        held = count_params(cfg, padded=True)  # memory also holds the vocabulary padding
+        # memory also holds the vocabulary padding; the fullest stage pp x its layers' share of the model
+        held = -(-count_params(cfg, padded=True) * fullest * pp // cfg.n_layers)
         per_layer = layer_activation_bytes(cfg, micro_batch, tp, sequence_parallel, recompute)
-        activations = cfg.n_layers * per_layer
+        activations = pp * fullest * per_layer
     n_params = int(n_params)
     states = model_state_bytes(held if cfg is not None else n_params, precision, dp, zero, tp * pp, bytes_override,
                                offload)

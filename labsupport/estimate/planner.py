@@ -43,7 +43,7 @@ from .comm_cost import all_gather_ring, all_reduce_ring, reduce_scatter_ring
 from .context import min_block_for_overlap, ring_traffic, split_problems, stage_activation_bytes
 from .flops import training_flops_per_token
 from .machines import DGX_A100, DGX_H100, FRONTIER, Machine
-from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory
+from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, stage_layers
 from .params import count_params
 from .shapes import tensor_parallel_problems
 from .simulator import bubble_over_ideal
@@ -162,8 +162,8 @@ def check_layout(cfg, gpus: int, global_batch: int, dp=None, tp=None, pp=None, m
     if tp is not None and tensor_parallel_problems(cfg, tp):  # grouped-query attention, an MLP width of its own
         raise ValueError(f"{tensor_parallel_problems(cfg, tp)[0]}: each rank holds whole key/value heads and whole "
                          f"MLP units (parallel/tensor.py)")
-    if pp is not None and cfg.n_layers % pp:
-        raise ValueError(f"pp {pp} does not divide the {cfg.n_layers} layers; pick a divisor of {cfg.n_layers}")
+    if pp is not None and pp > cfg.n_layers:
+        raise ValueError(f"pp {pp} is more stages than the {cfg.n_layers} layers; pick at most {cfg.n_layers}")
     given = {name: v for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if v is not None}
     if cp == 1:  # a factor of 1 changes no product: name it only when it splits something
         del given["cp"]
@@ -220,7 +220,8 @@ def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=Non
 
     tp divides the heads, the key/value heads and the MLP width (`shapes.tensor_parallel_problems`) and
     either divides the devices per node or spans whole nodes, up to two nodes (so that the cost of TP
-    beyond a node shows); pp divides the layers; cp is one of
+    beyond a node shows); pp divides the layers (a pp that is given need not: its fullest stage is
+    priced, `memory.stage_layers`); cp is one of
     `context_degrees` (1 when dp, tp and pp are all given); dp x tp x pp x cp = gpus; the global
     batch splits into dp x micro-batch; ZeRO-1 only with dp x cp > 1 (it shards over both).
     """
@@ -263,7 +264,7 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
                           recompute=recompute)
     if cp == 1:
         return est["total"]
-    activations = stage_activation_bytes(cfg.n_layers, cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
+    activations = stage_activation_bytes(pp * stage_layers(cfg.n_layers, pp), cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
                                          recompute, ACTIVATION_BYTES, kv_hidden=cfg.n_kv_heads * cfg.head_dim)
     return est["total"] - est["activations"] + activations * BYTES_PER_PARAM[precision]["params"] // 2
 
@@ -273,7 +274,8 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
              efficiency: float = EFFICIENCY, cp: int = 1) -> Config:
     """Memory and step time of one layout (see the module docstring for the model).
 
-    compute: step_flops / (gpus x peak x efficiency).
+    compute: step_flops / (gpus x peak x efficiency), times the fullest stage's layers over the mean,
+      stage_layers(L, pp) / (L / pp), when pp does not divide the layers: that stage sets the pace.
     Each rank works on s / cp positions of each sequence (s = seq_len); with cp = 1 all of them.
     TP: each layer of a stage, for each of the m micro-batches, the all-reduces of
       `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h / cp
@@ -298,9 +300,10 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     m = global_batch // (dp * micro_batch)
     memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute)
-    compute = step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)
+    layers = stage_layers(cfg.n_layers, pp)
+    uneven = layers * pp / cfg.n_layers   # 1 when pp divides the layers
+    compute = uneven * step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)
     forward_passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
-    layers = cfg.n_layers // pp
     positions = micro_batch * cfg.seq_len // cp   # tokens of one micro-batch on one rank
 
     tp_comm = 0.0
@@ -333,7 +336,7 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     if replicas > 1:
         alpha, gbps = group_link(machine, gpus)
         beta = 1 / (gbps * 1e9)
-        share = -(-count_params(cfg, padded=True) // (tp * pp))
+        share = -(-count_params(cfg, padded=True) * layers // (tp * cfg.n_layers))   # the fullest stage's
         per = BYTES_PER_PARAM[precision]
         if zero:
             dp_comm = (reduce_scatter_ring(share * per["grads"], replicas, alpha, beta)
@@ -409,7 +412,8 @@ def explain_no_fit(cfg, machine: Machine, gpus: int, global_batch: int, precisio
     if not configs:
         return (f"no layout splits this model over {gpus} GPUs with global batch {global_batch}: tp must divide "
                 f"the {cfg.heads} heads, pp the {cfg.n_layers} layers, dp = gpus / (tp x pp) the global batch; "
-                f"try a GPU count and batch with more divisors")
+                f"try a GPU count and batch with more divisors, or give a --pp that does not divide the layers "
+                f"(its fullest stage is priced)")
     lean = min(configs, key=lambda c: c.memory_per_gpu)
     context = "leave cp to the planner (context parallelism), " if fixed.get("cp") == 1 and len(
         context_degrees(cfg.seq_len, machine)) > 1 else ""
