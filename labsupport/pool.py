@@ -60,7 +60,8 @@ from .launch import (DEFAULT_NOTEBOOK_TIMEOUT, LaunchError, LaunchTimeout, RankF
                      make_run_dir)
 from .rank import die_with_parent
 
-START_TIMEOUT_S = 120  # for the engines to register and the process group to form
+START_TIMEOUT_S = 180  # for the engines to register and the process group to form (a start takes ~5 s of CPU,
+                       # which on 2 cores shared with other launches has taken over 100 s)
 LEAVE_TIMEOUT_S = 10   # for the ranks to leave the process group on stop()
 PEER_GRACE_S = 5       # after a rank raised, how long the others may still run (see _gather)
 POLL_S = 0.01          # how often output is copied and the ranks are checked while a cell runs

@@ -14,6 +14,7 @@ import pytest
 from browser import (REPO, artifacts_on_failure, chromium_page, jupyter_lab, make_lab_style, require_chromium,
                      run_notebook_in_browser, tagged_processes, wait_for_redraw, wait_for_text, write_notebook)
 from labsupport.estimate.collective_steps import simulate
+from labsupport.pool import START_TIMEOUT_S
 from labsupport.widgets.collectives import format_state, symbolic_initial
 from labsupport.widgets.comm_counter import CommCounterWidget
 from labsupport.widgets.memory import MemoryWidget, preset_label, verdict
@@ -121,7 +122,8 @@ def test_ranks_cell_streams_every_ranks_lines_into_the_page(lab, page, request):
                    "print(f'ring all-reduce of {rt.world_size} ranks: {x.tolist()}')",
                    "pool.stop()")
     with artifacts_on_failure(page, request.node.name, lab):
-        run_notebook_in_browser(page, lab, "ranks.ipynb", timeout_s=120)
+        # longer than the pool's own start limit, so that a start that fails says why in the page
+        run_notebook_in_browser(page, lab, "ranks.ipynb", timeout_s=START_TIMEOUT_S + 120)
         lines = page.locator(".jp-OutputArea-output", has_text="ring all-reduce of 2 ranks")
         lines.first.wait_for(timeout=30_000)
         printed = "\n".join(lines.all_inner_texts())
