@@ -15,6 +15,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
                     and a long sequence's memory per device, model states to logits
   experts           mixture-of-experts parameters (total, active) and expert parallelism's all-to-all (GShard)
   machines          node presets (Frontier, DGX A100 / H100): devices, links, peaks, memory
+  devices           one accelerator's measured rates (matmul, memory, FlashAttention) for step_time
+  step_time         a layer's compute time from its matmul shapes, attention kernel and bytes moved
   schedules         pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as action lists (runtime + widget)
   simulator         times a schedule: Gantt spans, bubble against (p - 1) / (v m), micro-batches in flight
   planner           ranks dp x tp x pp x micro-batch x ZeRO x recomputation layouts by predicted step time
