@@ -292,6 +292,8 @@ def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
 
 def _check_config(args) -> int:
     """`plan --check-config`: what the ds_config does, and each contradiction with the Megatron flags."""
+    if args.gpus is None:
+        raise UsageError("--check-config needs --gpus N, the launch's world size")
     from .ds_check import contradictions, explain, load, megatron_flags
     config, flags = load(args.check_config), megatron_flags(args.megatron)
     found = contradictions(config, flags, args.gpus)
@@ -305,9 +307,37 @@ def _check_config(args) -> int:
     return 1 if found else 0
 
 
+def _validate(args) -> int:
+    """`plan --validate`: the planner against published runs (estimate/validation.py), one row each."""
+    from .estimate.validation import BAND, validate
+    checks = validate()
+    inside = sum(abs(c.ratio - 1) <= BAND for c in checks)
+    lines = [f"The planner on {len(checks)} published runs, each priced on its own layout, machine and framework; "
+             f"TFLOP/s per GPU in the source's convention (hardware: recomputation counted; model: not). "
+             f"{inside} of {len(checks)} within {BAND:.0%}.",
+             f"{'run':<34}{'machine':<22}{'GPUs':>6} {'counts':<9}{'published':>10}{'predicted':>10}{'ratio':>7}"
+             f"  {'dominant':<9}"]
+    for c in checks:
+        r = c.run
+        lines.append(f"{r.name:<34}{r.machine.name:<22}{r.gpus:>6} {r.counts:<9}{r.tflops_per_gpu:>10.1f}"
+                     f"{c.predicted_tflops:>10.1f}{c.ratio:>7.2f}  {c.dominant:<9}")
+    lines.append("Outside the band, why:")
+    for reason in dict.fromkeys(c.reason for c in checks if c.reason):
+        names = [c.run.name for c in checks if c.reason == reason]
+        lines.append(f"  {', '.join(names)}: {reason}")
+    lines.append("Sources:")
+    lines += [f"  {c.run.name}: {c.run.source}" for c in checks]
+    _emit(args, "\n".join(lines), {"band": BAND, "within_band": inside, "runs": [c.to_json() for c in checks]})
+    return 0
+
+
 def cmd_plan(args) -> int:
     if args.check_config:
         return _check_config(args)
+    if args.validate:
+        return _validate(args)
+    if args.gpus is None:
+        raise UsageError("give --gpus N (or --validate, which takes the published runs' own)")
     if args.megatron:
         raise UsageError(f"Megatron flags ({args.megatron[0]} ...) go with --check-config DS_CONFIG")
     from .estimate.params import active_params, count_params
@@ -507,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         pl.add_argument(f"--{flag}", type=int, default=None)
     _family_arguments(pl)
-    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus", type=int, default=None)
     pl.add_argument("--machine", choices=list(MACHINE_NAMES), default=None,
                     help="a node preset; the flags below override its values")
     for arg, (flag, _) in _MACHINE_FLAGS.items():
@@ -531,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--check-config", default=None, metavar="DS_CONFIG",
                     help="instead of planning: what this ds_config.json does on --gpus GPUs, and each contradiction "
                          "with the Megatron flags given after --; exit 1 if there is one")
+    pl.add_argument("--validate", action="store_true",
+                    help="instead of planning: the planner against published runs, predicted beside measured")
     pl.add_argument("megatron", nargs="*", metavar="-- MEGATRON_FLAGS",
                     help="with --check-config: the launch's Megatron-DeepSpeed flags (others are ignored)")
 

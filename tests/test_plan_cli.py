@@ -99,6 +99,7 @@ def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
     ([*FRONTIER_175B, "--pp", "128"], "pp 128 is more stages than the 96 layers"),
     ([*FRONTIER_175B, "--gpu-memory-gb", "0"], "memory_gb must be > 0"),
     (["--model", "175b", "--gpus", "128", "--gpu-memory-gb", "80"], "missing --gpus-per-node"),
+    (["--model", "175b", "--machine", "frontier"], "give --gpus N"),
     (["--model", "1t", "--gpus", "64", "--machine", "frontier"], "fits nowhere on 64 x 64 GB"),
     (["--layers", "4", "--gpus", "8", "--machine", "frontier"], "missing --hidden --heads --vocab --seq-len"),
     ([*FRONTIER_175B, "--cp", "3"], "the sequence length 2048 does not split into 2 x cp = 6 chunks"),

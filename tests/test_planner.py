@@ -22,6 +22,7 @@ from labsupport.estimate.planner import (MACHINE_NAMES, MICRO_BATCHES, ZERO_STAG
                                          why)
 from labsupport.estimate.published import NARAYANAN_TABLE_1
 from labsupport.estimate.scaling import WORKSHOP, strong_scaling, weak_scaling
+from labsupport.estimate.step_time import Framework
 from labsupport.model import PRESETS, ModelConfig
 
 TABLE_1 = NARAYANAN_TABLE_1
@@ -178,6 +179,26 @@ def test_step_time_parts_by_hand():
     assert c.dp_comm_s == pytest.approx(all_reduce_ring(2 * share, 2, 0, 1 / 10e9))  # across nodes
     assert c.bubble_s == pytest.approx((c.compute_s + c.tp_comm_s) / m)
     assert c.step_time_s == pytest.approx(c.compute_s + c.tp_comm_s + c.pp_comm_s + c.dp_comm_s + c.bubble_s)
+
+
+def test_interleaving_and_overlap_by_hand():
+    """The layout above with v = 2 chunks per stage: the bubble halves and the pipeline sends twice as often
+    (Narayanan et al. 2021, Sec. 2.2.2); with the DP reduction overlapped, only what outlasts the last
+    micro-batch's backward (2/3 of its compute) is exposed; with TP's overlapped, what outlasts the compute."""
+    machine = Machine("round", devices_per_node=4, intra_alpha_s=0, intra_gbps=100, inter_alpha_s=0, inter_gbps=10,
+                      peak_tflops_bf16=100, memory_gb=80)
+    cfg = ModelConfig("small", n_layers=4, hidden=1024, heads=8, vocab=1024, seq_len=512)
+    plain = evaluate(cfg, machine, 8, 8, dp=2, tp=2, pp=2, micro_batch=1, efficiency=0.5)
+    m, sbh_bytes = 4, 512 * 1024 * 2
+    interleaved = evaluate(cfg, machine, 8, 8, dp=2, tp=2, pp=2, micro_batch=1, efficiency=0.5, virtual=2)
+    assert interleaved.virtual == 2 and interleaved.bubble_s == pytest.approx(plain.bubble_s / 2)
+    assert interleaved.pp_comm_s == pytest.approx(2 * (2 * m + 1) * sbh_bytes / 2 / 100e9)
+    both = Framework(overlap_dp=True, overlap_tp=True)
+    overlapped = evaluate(cfg, machine, 8, 8, dp=2, tp=2, pp=2, micro_batch=1, efficiency=0.5, framework=both)
+    assert overlapped.dp_comm_s == pytest.approx(max(0.0, plain.dp_comm_s - plain.compute_s / m * 2 / 3))
+    assert overlapped.tp_comm_s == pytest.approx(max(0.0, plain.tp_comm_s - plain.compute_s))
+    with pytest.raises(ValueError, match="1 without a pipeline"):
+        evaluate(cfg, machine, 8, 8, dp=4, tp=2, pp=1, virtual=2)
 
 
 @pytest.mark.parametrize("field, value", [("memory_gb", 0), ("inter_gbps", -1), ("peak_tflops_bf16", None),

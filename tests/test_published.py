@@ -1,7 +1,6 @@
 """estimate/published.py's runs against the numbers their sources print, in each source's FLOP convention."""
 import pytest
 
-from labsupport.estimate.devices import DEVICES
 from labsupport.estimate.memory import RECOMPUTE
 from labsupport.estimate.planner import step_flops
 from labsupport.estimate.published import BLOOM, LLAMA3_405B, MT_NLG, RUNS
@@ -38,11 +37,12 @@ def test_gpu_counts_and_batches_are_the_sources():
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
 def test_every_run_is_a_layout_the_planner_can_price(run):
-    assert run.device in DEVICES and run.counts in ("hardware", "model") and run.recompute in RECOMPUTE
+    assert run.counts in ("hardware", "model") and run.recompute in RECOMPUTE
     assert run.source and run.cfg.heads % run.tp == 0 and not tensor_parallel_problems(run.cfg, run.tp)
     assert run.pp <= run.cfg.n_layers and run.global_batch % (run.dp * run.micro_batch) == 0
     assert run.virtual == 1 or run.cfg.n_layers % (run.pp * run.virtual) == 0
 
 
 def test_at_least_eight_runs_on_three_generations():
-    assert len(RUNS) >= 8 and {r.device for r in RUNS} == {"A100 SXM 80GB", "H100 SXM 80GB", "MI250X GCD"}
+    generations = {r.machine.name: r.machine.peak_tflops_bf16 for r in RUNS}   # Ampere, Hopper, CDNA2
+    assert len(RUNS) >= 8 and set(generations.values()) == {312.0, 989.0, 191.5}, generations

@@ -21,7 +21,8 @@ that paper. The notebooks show these predictions beside what `labsupport.metrics
   simulator         times a schedule: Gantt spans, bubble against (p - 1) / (v m), micro-batches in flight
   planner           ranks dp x tp x pp x micro-batch x ZeRO x recomputation layouts by predicted step time
   scaling           weak and strong scaling curves from the planner's model, beside the workshop's
-  published         Narayanan et al.'s Table 1 layouts, and 17 measured runs (A100, H100, MI250X) with their sources
+  published         Narayanan et al.'s Table 1, and 27 measured runs (A100, H100, MI250X) with sources and layouts
+  validation        the planner against those runs: plan --validate
   energy            compute-optimal tokens (Hoffmann et al.) and training energy (Patterson et al.)
   workshop          the workshop decks' runs and launch scripts as data, each fact citing its source
 

@@ -12,14 +12,13 @@ from .flops import PEAK_TFLOPS
 
 
 class Device(NamedTuple):
-    """peak_tflops: dense 16-bit matrix peak (no sparsity); memory_gb: HBM, 10^9 bytes; hbm_gbps: measured
+    """peak_tflops_bf16: dense 16-bit matrix peak (no sparsity); memory_gb: HBM, 10^9 bytes; hbm_gbps: measured
     memory bandwidth (a STREAM-like triad), GB/s; compute_units: streaming multiprocessors or compute units,
     over which a matmul's output tiles are spread; gemm_efficiency: the best measured 16-bit matmul rate
     over peak; attention_efficiency: FlashAttention-2's asymptotic forward + backward rate (causal, head
     size 128) over peak (`step_time.flash_attention_s`)."""
 
-    name: str
-    peak_tflops: float
+    peak_tflops_bf16: float
     memory_gb: float
     hbm_gbps: float
     compute_units: int
@@ -39,9 +38,10 @@ class Device(NamedTuple):
 # MI250X: its value assumes A100's ratio of attention rate to matmul rate (195 / 271.2), an assumption.
 # Compute units: A100 108 SMs and H100 SXM 132 (NVIDIA's Ampere and Hopper architecture whitepapers); an
 # MI250X GCD 110 CUs (AMD's CDNA2 whitepaper: 220 per MI250X).
-A100_80GB = Device("A100 SXM 80GB", PEAK_TFLOPS["A100"][1], 80, 1724.8, 108, 271.2 / 312, 195 / 312)
-A100_40GB = A100_80GB._replace(name="A100 SXM 40GB", memory_gb=40, hbm_gbps=1377.5)
-H100_SXM = Device("H100 SXM 80GB", PEAK_TFLOPS["H100"][1], 80, 0.85 * 3350, 132, 794.5 / 989, 340 / 989)
-MI250X_GCD = Device("MI250X GCD", PEAK_TFLOPS["MI250X"][1], 64, 0.85 * 1638.4, 110, 147.0 / 191.5,
-                    147.0 / 191.5 * 195 / 271.2)
-DEVICES: dict[str, Device] = {d.name: d for d in (A100_80GB, A100_40GB, H100_SXM, MI250X_GCD)}
+A100_80GB = Device(PEAK_TFLOPS["A100"][1], 80, 1724.8, 108, 271.2 / 312, 195 / 312)
+A100_40GB = A100_80GB._replace(memory_gb=40, hbm_gbps=1377.5)
+H100_SXM = Device(PEAK_TFLOPS["H100"][1], 80, 0.85 * 3350, 132, 794.5 / 989, 340 / 989)
+MI250X_GCD = Device(PEAK_TFLOPS["MI250X"][1], 64, 0.85 * 1638.4, 110, 147.0 / 191.5, 147.0 / 191.5 * 195 / 271.2)
+# The names `labsupport plan --device` takes.
+DEVICES: dict[str, Device] = {"a100-80gb": A100_80GB, "a100-40gb": A100_40GB, "h100-sxm": H100_SXM,
+                              "mi250x-gcd": MI250X_GCD}

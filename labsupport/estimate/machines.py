@@ -78,6 +78,16 @@ DGX_A100 = Machine("DGX A100", devices_per_node=8,
                    inter_alpha_s=INTER_ALPHA_S, inter_gbps=200 / 8,
                    peak_tflops_bf16=PEAK_TFLOPS["A100"][1], memory_gb=80)
 
+# A cluster of published runs only (estimate/published.py), not one of the presets above:
+# BigScience's BLOOM-176B ran on Jean Zay's A100 80GB nodes (bigscience-workshop/bigscience,
+# train/tr11-176B-ml/README.md, "Hardware"): 8 GPUs joined by NVLink, "4 OmniPath links" per node.
+# Jean Zay's Omni-Path runs at 100 Gb/s a link (LMI MAG no. 2, March 2020, p. 27, said of the machine
+# before its A100 extension, so an inference for these nodes): 4 x 12.5 GB/s for 8 GPUs, 6.25 each.
+JEAN_ZAY_A100 = Machine("Jean Zay (A100 80GB)", devices_per_node=8,
+                        intra_alpha_s=INTRA_ALPHA_S, intra_gbps=600 / 2,
+                        inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 100 / 8 / 8,
+                        peak_tflops_bf16=PEAK_TFLOPS["A100"][1], memory_gb=80)
+
 MACHINES: dict[str, Machine] = {m.name: m for m in (FRONTIER, DGX_H100, DGX_A100)}
 
 

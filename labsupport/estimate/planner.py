@@ -21,8 +21,10 @@ group whose ranks fit in one node talks over the node's links, else over the net
 micro-batch (six with full recomputation), and the planner reproduces Narayanan's guidance
 (Sec. 3.2 and 3.3, takeaways #1 and #2): TP up to the GPUs of a node, PP across nodes, model parallelism
 only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) many more
-micro-batches than stages. Only the 1F1B schedule is planned; nothing overlaps communication
-with compute; stages are taken as equal (the embedding and LM head are not placed).
+micro-batches than stages. `plan` proposes the 1F1B schedule with nothing overlapping
+communication and compute; `evaluate` also prices the interleaved schedule (`virtual` chunks per
+stage) and a framework's overlaps (`step_time.Framework`), which the published runs of
+`validation.py` used. Stages are taken as equal (the embedding and LM head are not placed).
 
 Context parallelism (CP, estimate/context.py) cuts each sequence over cp ranks with ring
 attention (Liu et al. 2023) and the balanced causal split: each rank holds s / cp positions'
@@ -47,6 +49,7 @@ from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, stage_layers
 from .params import count_params
 from .shapes import tensor_parallel_problems
 from .simulator import bubble_over_ideal
+from .step_time import Framework
 from .tp_comm import layer_comm
 
 # The names `labsupport plan --machine` takes.
@@ -89,6 +92,7 @@ class Config:
     pp_comm_s: float
     dp_comm_s: float
     bubble_s: float
+    virtual: int = 1         # v: model chunks per stage (Narayanan et al. 2021's interleaved schedule)
 
     @property
     def step_time_s(self) -> float:
@@ -271,33 +275,45 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
 
 def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: int, pp: int,
              micro_batch: int = 1, zero: int = 0, recompute: str = "none", precision: str = "mixed",
-             efficiency: float = EFFICIENCY, cp: int = 1) -> Config:
+             efficiency: float = EFFICIENCY, cp: int = 1, virtual: int = 1,
+             framework: Framework = Framework()) -> Config:
     """Memory and step time of one layout (see the module docstring for the model).
 
     compute: step_flops / (gpus x peak x efficiency), times the fullest stage's layers over the mean,
       stage_layers(L, pp) / (L / pp), when pp does not divide the layers: that stage sets the pace.
+    The framework's kernels (`step_time.Framework`) do not change this compute; its overlaps do
+      change what communication costs (TP and DP below).
     Each rank works on s / cp positions of each sequence (s = seq_len); with cp = 1 all of them.
     TP: each layer of a stage, for each of the m micro-batches, the all-reduces of
       `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h / cp
       activations; full recomputation repeats the forward's 2), ring all-reduce on group_link(tp).
+      With framework.overlap_tp they run during the matmuls: only what outlasts the compute is exposed.
     CP: each layer of a stage, for each micro-batch, the sends of `context.ring_traffic` (Liu et al.
       2023, Sec. 3: K and V go cp - 1 hops forward; backward K, V and the dK, dV sums; grouped-query
       attention's K and V kv_heads heads wide, as they travel), each
       alpha + bytes / bandwidth on group_link(tp x cp); full recomputation repeats the forward's.
     PP: each micro-batch sends its activations to the next stage and its gradient back,
       b s h / (tp cp) bytes per GPU (Narayanan et al. 2021, Sec. 4.1, the scatter/gather
-      optimization), 2 (m + p - 1) messages on the critical path (m in steady state, p - 1 to
-      fill and drain), on group_link(tp x cp x pp).
+      optimization), 2 (v m + p - 1) messages on the critical path (v m in steady state: the
+      interleaved schedule's v chunks per stage send v times as often, Sec. 2.2.2; p - 1 to fill and
+      drain), on group_link(tp x cp x pp).
     DP: the gradients of this GPU's tp x pp share, over the dp x cp ranks that hold it (CP ranks
       reduce their gradients with the DP ones, as Megatron-LM does); ZeRO-0 all-reduces them, ZeRO-1
       reduce-scatters the gradients and all-gathers the updated parameters, the same volume
-      when both are 16-bit (Rajbhandari et al. 2020, Sec. 7.2.1), on group_link(gpus).
-    bubble: (p - 1) / m of compute + TP + CP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1).
+      when both are 16-bit (Rajbhandari et al. 2020, Sec. 7.2.1), on group_link(gpus). With
+      framework.overlap_dp (DDP's buckets, FSDP, Megatron-Core's --overlap-grad-reduce) the reduction
+      runs during the backward; only what outlasts the last micro-batch's backward through the stage,
+      when the last gradients are ready, is exposed (the backward: 2 of the 3 forward-sized passes, 3 of
+      4 with full recomputation's extra forward).
+    bubble: (p - 1) / (v m) of compute + TP + CP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1
+      and 2.2.2 for the interleaved schedule's v chunks per stage).
     """
     check_machine(machine)
     check_layout(cfg, gpus, global_batch, dp, tp, pp, micro_batch, zero, recompute, cp)
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and pp == 1):
+        raise ValueError(f"virtual stages must be a whole number >= 1, and 1 without a pipeline; got {virtual!r}")
     m = global_batch // (dp * micro_batch)
     memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute)
     layers = stage_layers(cfg.n_layers, pp)
@@ -315,6 +331,8 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
                 per_layer += (forward_passes[phase] * calls
                               * all_reduce_ring(payload / calls, tp, alpha, 1 / (gbps * 1e9)))
         tp_comm = m * layers * per_layer
+        if framework.overlap_tp:
+            tp_comm = max(0.0, tp_comm - compute)
 
     cp_comm = 0.0
     if cp > 1:
@@ -329,7 +347,7 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     if pp > 1:
         alpha, gbps = group_link(machine, tp * cp * pp)
         message = positions * cfg.hidden * ACTIVATION_BYTES / tp
-        pp_comm = 2 * (m + pp - 1) * (alpha + message / (gbps * 1e9))
+        pp_comm = 2 * (virtual * m + pp - 1) * (alpha + message / (gbps * 1e9))
 
     dp_comm = 0.0
     replicas = dp * cp
@@ -343,11 +361,14 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
                        + all_gather_ring(share * per["params"], replicas, alpha, beta))
         else:
             dp_comm = all_reduce_ring(share * per["grads"], replicas, alpha, beta)
+        if framework.overlap_dp:
+            last_backward = compute / m * (3 / 4 if recompute == "full" else 2 / 3)
+            dp_comm = max(0.0, dp_comm - last_backward)
 
-    bubble = bubble_over_ideal(pp, m) * (compute + tp_comm + cp_comm)
+    bubble = bubble_over_ideal(pp, m, virtual) * (compute + tp_comm + cp_comm)
     return Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, zero=zero, recompute=recompute, microbatches=m,
                   memory_per_gpu=memory, fits=memory <= usable_bytes(machine), compute_s=compute, tp_comm_s=tp_comm,
-                  cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, bubble_s=bubble)
+                  cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, bubble_s=bubble, virtual=virtual)
 
 
 def usable_bytes(machine: Machine) -> float:

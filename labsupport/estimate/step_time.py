@@ -32,7 +32,11 @@ from .devices import Device
 TILE = (256, 128)   # cuBLAS' largest common output tile, rows x columns (the guide's Sec. 2.3 lists 256x128 first)
 ACTIVATION_BYTES = 2   # 16-bit activations and weights in the matmuls
 FLASH_HALF_KEYS = 550  # keys at which FlashAttention-2 runs at half its asymptotic rate (flash_attention_s)
-ADAM_BYTES_PER_PARAM = 30  # read fp32 weight, gradient, m, v; write weight, m, v; write the 16-bit copy
+# The mixed-precision optimizer step, bytes per parameter it updates (Megatron-LM's fp16/bf16 optimizer with
+# fp32 gradients): unscale the gradient and check it for inf (read and write 4), its norm for clipping
+# (read 4), AdamW (read weight, gradient, m, v: 16; write weight, m, v: 12), the 16-bit copy of the weight
+# (read 4, write 2), and zeroing the gradient for the next step (write 4).
+OPTIMIZER_BYTES_PER_PARAM = 8 + 4 + 28 + 6 + 4
 
 
 class Framework(NamedTuple):
@@ -40,11 +44,16 @@ class Framework(NamedTuple):
 
     flash_attention: a fused attention kernel (FlashAttention or cuDNN's); else Megatron-LM's unfused one.
     sequence_parallel: the norms and dropouts cut over the TP ranks (Korthikanti et al. 2022, Sec. 4.2.2).
-    The default is Megatron-LM as Narayanan et al. 2021 ran it: neither.
+    overlap_dp: gradient reduction runs during the backward (DDP's buckets, FSDP, Megatron-Core's
+      --overlap-grad-reduce): the planner exposes only what outlasts the last micro-batch's backward.
+    overlap_tp: TP's collectives run during the matmuls (Megatron-Core's --tp-comm-overlap).
+    The default is Megatron-LM as Narayanan et al. 2021 ran it at scale: none of them.
     """
 
     flash_attention: bool = False
     sequence_parallel: bool = False
+    overlap_dp: bool = False
+    overlap_tp: bool = False
 
 
 def gemm_s(m: int, n: int, k: int, device: Device, count: int = 1) -> float:
@@ -57,7 +66,7 @@ def gemm_s(m: int, n: int, k: int, device: Device, count: int = 1) -> float:
     tiles = count * math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
     waves = math.ceil(tiles / device.compute_units)
     filled = tiles / (waves * device.compute_units)
-    compute = count * 2 * m * n * k / (device.peak_tflops * 1e12 * device.gemm_efficiency * filled)
+    compute = count * 2 * m * n * k / (device.peak_tflops_bf16 * 1e12 * device.gemm_efficiency * filled)
     memory = count * ACTIVATION_BYTES * (m * k + k * n + m * n) / (device.hbm_gbps * 1e9)
     return max(compute, memory)
 
@@ -80,7 +89,7 @@ def flash_attention_s(queries: int, keys: int, heads: int, head_dim: int, device
     with 195 and 340 TFLOP/s asymptotes and a half-rate key length of 530 and 576.
     """
     forward = 4 * queries * keys * head_dim * heads * (0.5 if causal else 1)
-    rate = device.peak_tflops * 1e12 * device.attention_efficiency * keys / (keys + FLASH_HALF_KEYS)
+    rate = device.peak_tflops_bf16 * 1e12 * device.attention_efficiency * keys / (keys + FLASH_HALF_KEYS)
     return forward / rate, 2.5 * forward / rate
 
 
@@ -134,5 +143,5 @@ def head_s(cfg, device: Device, tokens: int, tp: int) -> float:
 
 
 def optimizer_s(params: int, device: Device) -> float:
-    """Seconds of AdamW's update of `params` parameters with fp32 master weights: ADAM_BYTES_PER_PARAM each."""
-    return memory_s(ADAM_BYTES_PER_PARAM * params, device)
+    """Seconds of the optimizer step over `params` parameters: OPTIMIZER_BYTES_PER_PARAM each."""
+    return memory_s(OPTIMIZER_BYTES_PER_PARAM * params, device)
