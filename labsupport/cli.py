@@ -316,11 +316,12 @@ def _validate(args) -> int:
              f"TFLOP/s per GPU in the source's convention (hardware: recomputation counted; model: not). "
              f"{inside} of {len(checks)} within {BAND:.0%}.",
              f"{'run':<34}{'machine':<22}{'GPUs':>6} {'counts':<9}{'published':>10}{'predicted':>10}{'ratio':>7}"
-             f"  {'dominant':<9}"]
+             f"  {'dominant':<9}{'GB/GPU':>7}"]
     for c in checks:
         r = c.run
         lines.append(f"{r.name:<34}{r.machine.name:<22}{r.gpus:>6} {r.counts:<9}{r.tflops_per_gpu:>10.1f}"
-                     f"{c.predicted_tflops:>10.1f}{c.ratio:>7.2f}  {c.dominant:<9}")
+                     f"{c.predicted_tflops:>10.1f}{c.ratio:>7.2f}  {c.dominant:<9}"
+                     f"{c.config.memory_per_gpu / 1e9:>7.1f}{'' if c.config.fits else ' (does not fit)'}")
     lines.append("Outside the band, why:")
     for reason in dict.fromkeys(c.reason for c in checks if c.reason):
         names = [c.run.name for c in checks if c.reason == reason]

@@ -24,7 +24,8 @@ only as large as memory needs, data parallelism for the rest; and (Sec. 2.2.1) m
 micro-batches than stages. `plan` proposes the 1F1B schedule with nothing overlapping
 communication and compute; `evaluate` also prices the interleaved schedule (`virtual` chunks per
 stage) and a framework's overlaps (`step_time.Framework`), which the published runs of
-`validation.py` used. Stages are taken as equal (the embedding and LM head are not placed).
+`validation.py` used. Stages hold whole layers, the fullest setting the pace (the embedding and
+LM head are not placed).
 
 Context parallelism (CP, estimate/context.py) cuts each sequence over cp ranks with ring
 attention (Liu et al. 2023) and the balanced causal split: each rank holds s / cp positions'
@@ -255,8 +256,12 @@ def layouts(cfg, machine: Machine, gpus: int, global_batch: int, dp=None, tp=Non
 
 
 def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: int, cp: int, zero: int,
-                   recompute: str) -> int:
+                   recompute: str, framework: Framework = Framework()) -> int:
     """Bytes per GPU: `memory.estimate_memory`'s total, and under CP two changes.
+
+    The framework's kernels change what a layer keeps: sequence parallelism cuts the norms' and dropouts'
+    activations over the TP ranks (Korthikanti et al. 2022, Sec. 4.2.2), and a fused attention kernel keeps no
+    s x s scores, as selective recomputation does not (their 34 s b h per layer).
 
     The activations are `context.stage_activation_bytes` (s / cp positions per rank, no scores,
     the K/V blocks in flight), scaled from 16-bit by the recipe as estimate_memory scales its own.
@@ -264,8 +269,9 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
     together, and Megatron-LM builds its distributed optimizer on that group
     (`get_data_parallel_group(with_context_parallel=True)`).
     """
+    kept = "selective" if framework.flash_attention and recompute == "none" else recompute
     est = estimate_memory(cfg, micro_batch=micro_batch, precision=precision, dp=dp * cp, tp=tp, pp=pp, zero=zero,
-                          recompute=recompute)
+                          recompute=kept, sequence_parallel=framework.sequence_parallel)
     if cp == 1:
         return est["total"]
     activations = stage_activation_bytes(pp * stage_layers(cfg.n_layers, pp), cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
@@ -315,7 +321,7 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and pp == 1):
         raise ValueError(f"virtual stages must be a whole number >= 1, and 1 without a pipeline; got {virtual!r}")
     m = global_batch // (dp * micro_batch)
-    memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute)
+    memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute, framework)
     layers = stage_layers(cfg.n_layers, pp)
     uneven = layers * pp / cfg.n_layers   # 1 when pp divides the layers
     compute = uneven * step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)

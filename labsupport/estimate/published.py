@@ -60,7 +60,8 @@ class Run(NamedTuple):
     recomputation included (Narayanan et al. 2021, Sec. 5.1, eq. 3, as Megatron-LM and BigScience log
     it; `planner.step_flops(cfg, batch, recompute)`), or "model", the model's alone (Chowdhery et al.
     2022, App. B, MFU; `planner.step_flops(cfg, batch, "none")`). Both count every score of the s x s
-    attention matrix, masked half included. `step_s` is the printed iteration time where the source
+    attention matrix, masked half included, as Narayanan et al.'s eq. 3, Korthikanti et al.'s App. A and
+    Megatron-Core's code do; Llama 3's paper does not say whether its MFU does. `step_s` is the printed iteration time where the source
     gives one. `notes` say what the source leaves out and what is taken for it.
     """
 
@@ -155,7 +156,7 @@ MEGATRON_CORE_H100 = [
 # Llama 3 405B pre-training (Table 4; layout and kernels in Sec. 3.3.2; the network in Sec. 3.3.1, 8 GPUs on
 # NVLink per server and 400 Gb/s RoCE per GPU, as a DGX H100's): TP 8, CP, PP 16, FSDP over DP that
 # shards gradients and optimizer states (ZeRO-2-like: the same traffic as ZeRO-1 here), interleaved pipeline,
-# no activation recomputation at 8k tokens, bf16, MFU over 989 TFLOP/s. The 128k row prints DP 4, which makes
+# no activation recomputation at 8k tokens, bf16, MFU over 989 TFLOP/s. The 128k row prints DP 4 in arXiv v1, which makes
 # 8,192 GPUs and 8M tokens a batch, not its 16,384 GPUs and 16M: DP 8 makes both hold.
 _LLAMA_NOTES = ("micro-batch, virtual stages and sequence parallelism not stated (taken as 1, 1, on); "
                 "Table 3's vocabulary is 128,000, the released model's 128,256 is used")
@@ -163,7 +164,7 @@ LLAMA3_405B = [
     Run(f"Llama 3 405B, {gpus:,} GPUs, {seq // 1024}k", f"{_LLAMA3}, row {row}",
         replace(PRESETS["llama3-405b"], seq_len=seq), DGX_H100, dp * per_dp, dp, 8, 16, cp, 1, 1, 1, "none",
         Framework(flash_attention=True, sequence_parallel=True, overlap_dp=True), tflops, "model", None,
-        _LLAMA_NOTES + ("; DP 8 where the table prints 4, recomputation at 128k not stated" if cp > 1 else ""))
+        _LLAMA_NOTES + ("; DP 8 where arXiv v1's table prints 4, recomputation at 128k not stated" if cp > 1 else ""))
     for row, gpus, seq, dp, cp, per_dp, tflops in ((1, 8192, 8192, 64, 1, 32, 430), (2, 16384, 8192, 128, 1, 16, 400),
                                                    (3, 16384, 131072, 8, 16, 16, 380))
 ]

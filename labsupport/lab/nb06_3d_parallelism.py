@@ -367,10 +367,9 @@ WHY = {
     "dp_ratio": ("A ring all-reduce is a reduce-scatter followed by an all-gather. ZeRO-1 does the same two halves "
                  "with the optimizer step in between, on the shard each rank owns (Rajbhandari et al. 2020, Sec. "
                  "7.2.1): the same bytes, and half of the optimizer memory saved here, (d - 1)/d of it in general."),
-    "most_optimistic": ("Frontier's: the planner puts the workshop's 175B and 1T layouts at {frontier_175b:.2f}x and "
-                        "{frontier_1t:.2f}x the TFLOP/s per GCD that Dash et al. measured. Its one knob for how fast a "
-                        "GPU computes, 0.6 of peak, was fitted to Narayanan et al.'s A100s, and Megatron-DeepSpeed on "
-                        "the MI250X with 2023's ROCm ran further from its peak. On H100, three times A100's peak, "
-                        "Megatron-Core's runs land within {megatron_core:.0%} of the prediction: there the fraction "
-                        "carries over."),
+    "llama_side": ("Below: the planner gives {low:.2f}x to {high:.2f}x of Meta's TFLOP/s. With one stage per GPU, a "
+                   "pipeline of 16 stages idles (p - 1) / m of its compute time, 15/32 on 8,192 GPUs and 15/16 on "
+                   "16,384 (section 5's bubble): a third to half of the predicted step. The interleaved schedule "
+                   "divides that by its stages per GPU, v (Narayanan et al. 2021, Sec. 2.2.2), which Meta's paper "
+                   "names but does not size."),
 }
