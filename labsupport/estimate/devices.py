@@ -29,7 +29,7 @@ class Device(NamedTuple):
 # Matmul rates: S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
 # Matmul FLOPS" (mamf-finder.py: torch.mm over a sweep of shapes): A100 SXM 271.2 TFLOP/s of 312 (bf16 table,
 # commit 744d01e), H100 SXM 794.5 of 989, one MI250X GCD 147.0 of 191.5 (ROCm 6.2; in the table until
-# commit e695968). Memory bandwidth: BabelStream's triad, A100 SXM 80GB 1,724.8 GB/s of the datasheet's
+# commit e695968, from its first version, which did not flush the cache between iterations as the second does). Memory bandwidth: BabelStream's triad, A100 SXM 80GB 1,724.8 GB/s of the datasheet's
 # 2,039 (0.846), A100 SXM 40GB 1,377.5 of 1,555 (0.886, ALCF Polaris). No measurement of H100 SXM's or an
 # MI250X GCD's was found: 0.85 of their datasheets' 3,350 and 1,638.4 GB/s (half of the module's 3,276.8),
 # an assumption between the two A100 figures. Attention: FlashAttention-2 (Dao 2023, Fig. 4 and Fig. 8)
