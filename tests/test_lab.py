@@ -199,6 +199,15 @@ def test_reveal_compares_a_prediction(guess, measured, verdict, capsys):
     assert verdict in out and out.rstrip().endswith(" the all-to-all transposes it."), out
 
 
+@pytest.mark.parametrize("guess, verdict", [
+    ("below", "You predicted 'below'; the answer is 'below': right."),
+    ("above", "You predicted 'above'; the answer is 'below': not quite."),
+    ("lower", "You predicted 'lower', which is none of the answers offered ('above', 'below'); the answer is 'below'.")])
+def test_a_guess_outside_the_offered_choices_is_told_so(guess, verdict, capsys):
+    predict.reveal(guess, "below", label="The table", choices=("above", "below"))
+    assert verdict in ex.unwrap(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("guess, verdict", [(None, "No prediction entered. Formula: 0.1111."),
                                             (0.11, "You predicted 0.11; formula 0.1111: right.")])
 def test_reveal_names_where_its_value_comes_from(guess, verdict, capsys):

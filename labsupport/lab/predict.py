@@ -59,10 +59,11 @@ def _number(x) -> str:
 
 
 def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.1,
-           label: str = "Measured", **values) -> None:
+           label: str = "Measured", choices: tuple = (), **values) -> None:
     """Print the guess beside the measured value, and the explanation named `why` (see `explain`).
 
-    Numbers count as right within `tolerance` (relative); anything else must be equal. `label` names where the
+    Numbers count as right within `tolerance` (relative); anything else must be equal, and a guess outside
+    `choices` (when the question offers some) is told so, not called wrong. `label` names where the
     value comes from ("Simulated", "Formula"), so that a computed answer is not called a measurement. `values`
     fill the explanation's {fields}.
     """
@@ -77,6 +78,9 @@ def reveal(guess, measured, unit: str = "", why: str = "", tolerance: float = 0.
             "right." if abs(ratio - 1) <= tolerance else
             f"off by {_number(abs(guess - measured))}." if 0 in (guess, measured) else  # no factor from 0
             f"off by a factor {max(ratio, 1 / ratio):.3g}.")
+    elif choices and guess not in choices:
+        line = (f"You predicted {guess!r}, which is none of the answers offered "
+                f"({', '.join(map(repr, choices))}); the answer is {shown}.")
     else:
         line = f"You predicted {guess!r}; the answer is {shown}: " + ("right." if guess == measured else "not quite.")
     print(wrap(line + (f" {because}" if because else "")))
