@@ -297,13 +297,11 @@ def test_expert_parallel_equals_the_one_rank_moe(expert_parallel):
 
 
 @pytest.mark.multiprocess
-def test_the_step_sums_expert_gradients_over_twins_and_keeps_none_where_no_token_reached(expert_parallel):
-    """ExpertParallelStep.finish_backward on dp 4 x ep 2 (the 4-rank launch): ranks 1 and 3 hold experts
-    2 and 3. Where only group 1's tokens reach expert 3, rank 1 holds no gradient before and its twin's
-    after; where nobody's do, both keep None, as one rank would (AdamW then leaves the expert alone)."""
-    ep, reports = expert_parallel
-    if ep != 4:
-        pytest.skip("the step's twins need dp 4 x ep 2: the 4-rank launch")
+def test_the_step_sums_expert_gradients_over_twins_and_keeps_none_where_no_token_reached(checks):
+    """ExpertParallelStep.finish_backward on dp 4 x ep 2 (the 4-rank launch; the 2-rank one has no twins): ranks 1
+    and 3 hold experts 2 and 3. Where only group 1's tokens reach expert 3, rank 1 holds no gradient before and its
+    twin's after; where nobody's do, both keep None, as one rank would (AdamW then leaves the expert alone)."""
+    reports = checks("ep 4")
     for reached_by in ("group 1", "nobody"):
         results = [r["steps"][reached_by] for r in reports]
         assert not results[1]["had"]["experts.3.fc.weight"]
