@@ -245,19 +245,26 @@ _MACHINE_FLAGS = {"gpus_per_node": ("--gpus-per-node", "devices_per_node"),
 
 
 def _plan_machine(args):
-    """The --machine preset with the explicit values put over it, or a machine made of them alone."""
+    """The --machine preset with the explicit values put over it, or a machine made of them and a --device."""
     from dataclasses import replace
 
+    from .estimate.devices import DEVICES
     from .estimate.machines import INTER_ALPHA_S, INTRA_ALPHA_S, Machine
     from .estimate.planner import MACHINE_NAMES
     given = {field: getattr(args, arg) for arg, (_, field) in _MACHINE_FLAGS.items() if getattr(args, arg) is not None}
     if args.machine:
+        if args.device:
+            raise UsageError(f"--machine {args.machine} has its device; --device goes with a machine described "
+                             f"by its flags")
         return replace(MACHINE_NAMES[args.machine], **given)
-    missing = [flag for arg, (flag, _) in _MACHINE_FLAGS.items() if getattr(args, arg) is None]
+    optional = ("peak_tflops", "gpu_memory_gb")   # the device's own, unless given
+    missing = [flag for arg, (flag, _) in _MACHINE_FLAGS.items() if getattr(args, arg) is None and arg not in optional]
+    missing += [] if args.device else ["--device"]
     if missing:
         raise UsageError(f"give --machine {'|'.join(MACHINE_NAMES)}, or describe the machine in full "
                          f"(missing {' '.join(missing)})")
-    return Machine("custom", intra_alpha_s=INTRA_ALPHA_S, inter_alpha_s=INTER_ALPHA_S, **given)
+    return Machine("custom", intra_alpha_s=INTRA_ALPHA_S, inter_alpha_s=INTER_ALPHA_S,
+                   **{**DEVICES[args.device]._asdict(), **given})
 
 
 def _emit_plan(args, best, cfg, machine, global_batch) -> tuple[str, dict]:
@@ -531,6 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--timeline", action="store_true",
                     help="with --json: every stage's compute spans too, [start, end, op, micro-batch, chunk]")
 
+    from .estimate.devices import DEVICES
     from .estimate.planner import EFFICIENCY, MACHINE_NAMES
     pl = sub.add_parser("plan", help="rank DP x TP x PP x CP layouts of a model on a machine by predicted step time")
     pl.add_argument("--model", default=None, help="a preset (--seq-len changes its context length), or give the "
@@ -543,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a node preset; the flags below override its values")
     for arg, (flag, _) in _MACHINE_FLAGS.items():
         pl.add_argument(flag, dest=arg, type=int if arg == "gpus_per_node" else float, default=None)
+    pl.add_argument("--device", choices=list(DEVICES), default=None,
+                    help="without --machine: the accelerator, whose measured rates the step time uses")
     pl.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     pl.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed")
     pl.add_argument("--efficiency", type=float, default=EFFICIENCY,

@@ -88,9 +88,10 @@ def test_search_trajectory_is_reproducible(capsys):
 def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
     bigger = plan_json(capsys, *FRONTIER_175B, "--gpu-memory-gb", "128")
     assert bigger["machine"]["memory_gb"] == 128 and bigger["machine"]["intra_gbps"] == 50
-    custom = plan_json(capsys, "--model", "22b", "--gpus", "16", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
-                       "--peak-tflops", "312", "--intra-node-gbps", "300", "--inter-node-gbps", "25")
+    custom = plan_json(capsys, "--model", "22b", "--gpus", "16", "--gpus-per-node", "8", "--device", "a100-40gb",
+                       "--intra-node-gbps", "300", "--inter-node-gbps", "25")
     assert custom["configs"][0]["tp"] <= 8
+    assert (custom["machine"]["memory_gb"], custom["machine"]["hbm_gbps"]) == (40, 1377.5)   # the device's own
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,6 +101,9 @@ def test_explicit_values_override_the_preset_or_describe_a_machine(capsys):
     ([*FRONTIER_175B, "--gpu-memory-gb", "0"], "memory_gb must be > 0"),
     (["--model", "175b", "--gpus", "128", "--gpu-memory-gb", "80"], "missing --gpus-per-node"),
     (["--model", "175b", "--machine", "frontier"], "give --gpus N"),
+    (["--model", "175b", "--gpus", "128", "--gpus-per-node", "8", "--intra-node-gbps", "300", "--inter-node-gbps", "25"],
+     "(missing --device)"),
+    ([*FRONTIER_175B, "--device", "h100-sxm"], "--machine frontier has its device"),
     (["--model", "1t", "--gpus", "64", "--machine", "frontier"], "fits nowhere on 64 x 64 GB"),
     (["--layers", "4", "--gpus", "8", "--machine", "frontier"], "missing --hidden --heads --vocab --seq-len"),
     ([*FRONTIER_175B, "--cp", "3"], "the sequence length 2048 does not split into 2 x cp = 6 chunks"),

@@ -65,3 +65,18 @@ def test_the_cli_prints_the_table_and_its_json(capsys):
     assert {"run", "source", "published_tflops_per_gpu", "predicted_tflops_per_gpu", "ratio", "dominant", "reason",
             "within_band", "layout", "framework"} <= set(row)
     assert payload["within_band"] == sum(r["within_band"] for r in payload["runs"])
+
+
+def test_the_planners_share_of_the_best_kernel_rates_is_table_1s_median():
+    """planner.EFFICIENCY is fitted once: the median over Narayanan et al.'s ten runs of what they measured over
+    what the planner predicts with every kernel at its best measured rate (a share of 1)."""
+    import statistics
+
+    from labsupport.estimate.planner import EFFICIENCY, evaluate, step_flops
+    shares = []
+    for run in NARAYANAN_RUNS:
+        c = evaluate(run.cfg, run.machine, run.gpus, run.global_batch, run.dp, run.tp, run.pp, run.micro_batch,
+                     run.zero, run.recompute, efficiency=1.0, virtual=run.virtual, framework=run.framework)
+        best = step_flops(run.cfg, run.global_batch, run.recompute) / c.step_time_s / run.gpus / 1e12
+        shares.append(run.tflops_per_gpu / best)
+    assert statistics.median(shares) == pytest.approx(EFFICIENCY, abs=0.005)

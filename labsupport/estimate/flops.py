@@ -13,9 +13,9 @@ from .params import matmul_params
 # FLOPs into the seconds a real run spends on it, everything that slows it included. Published
 # runs: GPT-3 21.3%, Gopher 32.5%, Megatron-Turing NLG 30.2%, PaLM 46.2% (Chowdhery et al. 2022,
 # Table 3). The comm counter (`tp_comm.step_cost`) and the offload check (`offload.offload_pays`)
-# set a transfer against such a step. The planner's EFFICIENCY (0.6, planner.py) is another
-# quantity: it builds a step's time up from its parts, so it prices the compute part at the rate
-# the matmuls alone reach, and adds communication and the bubble itself.
+# set a transfer against such a step. The planner's EFFICIENCY (planner.py) is another quantity:
+# it builds a step's time up from its parts (step_time.py's kernels at their best measured rates),
+# takes the share of those rates a whole step reaches, and adds communication and the bubble itself.
 TYPICAL_MFU = 0.4
 
 

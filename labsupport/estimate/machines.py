@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flops import PEAK_TFLOPS
+from .devices import A100_80GB, H100_SXM, MI250X_GCD, Device
 
 INTRA_ALPHA_S = 5e-6   # assumption: one message between devices of a node, order of magnitude
 INTER_ALPHA_S = 10e-6  # assumption: one message across the network between nodes
@@ -31,7 +31,7 @@ INTER_ALPHA_S = 10e-6  # assumption: one message across the network between node
 @dataclass(frozen=True)
 class Machine:
     """One kind of node: devices per node, (alpha in s, GB/s per direction) inside a node and
-    between nodes, each device's bf16 dense peak TFLOP/s and its memory in GB (10^9 bytes)."""
+    between nodes, and its device's constants (`devices.Device`'s fields: peak, memory, measured rates)."""
 
     name: str
     devices_per_node: int
@@ -41,6 +41,15 @@ class Machine:
     inter_gbps: float
     peak_tflops_bf16: float
     memory_gb: float
+    hbm_gbps: float
+    compute_units: int
+    gemm_efficiency: float
+    attention_efficiency: float
+
+    @property
+    def device(self) -> Device:
+        """The device's constants, for step_time.py."""
+        return Device(*(getattr(self, name) for name in Device._fields))
 
 
 # OLCF Frontier User Guide, "System Overview": "Frontier Compute Nodes" and "System Interconnect".
@@ -57,8 +66,7 @@ class Machine:
 # GPU, so all three are the same kind of bound.
 FRONTIER = Machine("Frontier (MI250X GCD)", devices_per_node=8,
                    intra_alpha_s=INTRA_ALPHA_S, intra_gbps=50,
-                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 25 / 8,
-                   peak_tflops_bf16=PEAK_TFLOPS["MI250X"][1], memory_gb=64)
+                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 25 / 8, **MI250X_GCD._asdict())
 
 # NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System", hardware overview, and
 # the NVIDIA H100 Tensor Core GPU datasheet (SXM): 8 H100 of 80 GB; fourth-generation NVLink
@@ -66,8 +74,7 @@ FRONTIER = Machine("Frontier (MI250X GCD)", devices_per_node=8,
 # at 400 Gb/s, one per GPU = 50 GB/s per GPU per direction.
 DGX_H100 = Machine("DGX H100", devices_per_node=8,
                    intra_alpha_s=INTRA_ALPHA_S, intra_gbps=900 / 2,
-                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=400 / 8,
-                   peak_tflops_bf16=PEAK_TFLOPS["H100"][1], memory_gb=80)
+                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=400 / 8, **H100_SXM._asdict())
 
 # NVIDIA DGX A100 User Guide, "Introduction to the NVIDIA DGX A100 System", hardware overview, and
 # the NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): 8 A100 of 80 GB; third-generation NVLink
@@ -75,8 +82,7 @@ DGX_H100 = Machine("DGX H100", devices_per_node=8,
 # HDR InfiniBand at 200 Gb/s, one per GPU = 25 GB/s per GPU per direction.
 DGX_A100 = Machine("DGX A100", devices_per_node=8,
                    intra_alpha_s=INTRA_ALPHA_S, intra_gbps=600 / 2,
-                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=200 / 8,
-                   peak_tflops_bf16=PEAK_TFLOPS["A100"][1], memory_gb=80)
+                   inter_alpha_s=INTER_ALPHA_S, inter_gbps=200 / 8, **A100_80GB._asdict())
 
 # A cluster of published runs only (estimate/published.py), not one of the presets above:
 # BigScience's BLOOM-176B ran on Jean Zay's A100 80GB nodes (bigscience-workshop/bigscience,
@@ -85,8 +91,7 @@ DGX_A100 = Machine("DGX A100", devices_per_node=8,
 # before its A100 extension, so an inference for these nodes): 4 x 12.5 GB/s for 8 GPUs, 6.25 each.
 JEAN_ZAY_A100 = Machine("Jean Zay (A100 80GB)", devices_per_node=8,
                         intra_alpha_s=INTRA_ALPHA_S, intra_gbps=600 / 2,
-                        inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 100 / 8 / 8,
-                        peak_tflops_bf16=PEAK_TFLOPS["A100"][1], memory_gb=80)
+                        inter_alpha_s=INTER_ALPHA_S, inter_gbps=4 * 100 / 8 / 8, **A100_80GB._asdict())
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (FRONTIER, DGX_H100, DGX_A100)}
 

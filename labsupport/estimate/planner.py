@@ -50,17 +50,18 @@ from .memory import BYTES_PER_PARAM, RECOMPUTE, estimate_memory, stage_layers
 from .params import count_params
 from .shapes import tensor_parallel_problems
 from .simulator import bubble_over_ideal
-from .step_time import Framework
+from .step_time import Framework, head_s, layer_s, optimizer_s
 from .tp_comm import layer_comm
 
 # The names `labsupport plan --machine` takes.
 MACHINE_NAMES = {"frontier": FRONTIER, "dgx-a100": DGX_A100, "dgx-h100": DGX_H100}
 
-# The fraction of its peak a GPU's matmuls reach: an assumption. Narayanan et al. 2021, Table 1,
-# report 43-52% of the A100's peak end to end, bubble and communication included, so the matmuls
-# alone run faster; 0.6 puts this model within 10% of the achieved TFLOP/s of Table 1's four
-# largest rows (a test checks).
-EFFICIENCY = 0.6
+# The share of step_time's rates (each kernel at the device's best measured rate) that a whole training
+# step reaches: launch gaps, synchronization, data loading and clocks under sustained load are in no kernel's
+# measurement. Fitted once, to Narayanan et al. 2021's Table 1 (the median over its ten runs of measured over
+# predicted with a share of 1; a test re-derives it), and the same for every device; validation.py holds the
+# result against 17 runs it was not fitted to.
+EFFICIENCY = 0.835
 # The share of a GPU's memory the estimate may fill: an assumption. estimate_memory leaves out the
 # allocator's fragmentation, communication buffers, the embedding's and logits' activations.
 USABLE_MEMORY = 0.9
@@ -274,8 +275,9 @@ def memory_per_gpu(cfg, micro_batch: int, precision: str, dp: int, tp: int, pp: 
                           recompute=kept, sequence_parallel=framework.sequence_parallel)
     if cp == 1:
         return est["total"]
-    activations = stage_activation_bytes(pp * stage_layers(cfg.n_layers, pp), cfg.seq_len, micro_batch, cfg.hidden, cfg.heads, cp, tp,
-                                         recompute, ACTIVATION_BYTES, kv_hidden=cfg.n_kv_heads * cfg.head_dim)
+    activations = stage_activation_bytes(pp * stage_layers(cfg.n_layers, pp), cfg.seq_len, micro_batch, cfg.hidden,
+                                         cfg.heads, cp, tp, recompute, ACTIVATION_BYTES, kv_hidden=cfg.n_kv_heads * cfg.head_dim,
+                                         sequence_parallel=framework.sequence_parallel)
     return est["total"] - est["activations"] + activations * BYTES_PER_PARAM[precision]["params"] // 2
 
 
@@ -285,10 +287,15 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
              framework: Framework = Framework()) -> Config:
     """Memory and step time of one layout (see the module docstring for the model).
 
-    compute: step_flops / (gpus x peak x efficiency), times the fullest stage's layers over the mean,
-      stage_layers(L, pp) / (L / pp), when pp does not divide the layers: that stage sets the pace.
-    The framework's kernels (`step_time.Framework`) do not change this compute; its overlaps do
-      change what communication costs (TP and DP below).
+    compute: m micro-batches through the pipeline's fullest stage, then the optimizer step over this GPU's
+      parameters, as `step_time` prices them (each layer's matmuls from their shapes, attention as the
+      framework's kernel computes it, the elementwise work from its bytes; forward, backward and what
+      recomputation runs again; the LM head), over `efficiency`, the share of those best-kernel rates a
+      whole step reaches. The fullest stage is the larger of a stage of stage_layers(L, pp) layers and the
+      last stage, which holds the LM head beside the layers left over: where pp divides the layers
+      (Megatron-LM) the head's stage is the fullest; a framework that splits unevenly gives the head's
+      stage fewer layers (BLOOM's, Llama 3's). The framework's overlaps change what communication
+      costs (TP and DP below).
     Each rank works on s / cp positions of each sequence (s = seq_len); with cp = 1 all of them.
     TP: each layer of a stage, for each of the m micro-batches, the all-reduces of
       `tp_comm.layer_comm` (Shoeybi et al. 2019, Sec. 3: 2 forward, 2 backward, of b s h / cp
@@ -309,9 +316,8 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
       when both are 16-bit (Rajbhandari et al. 2020, Sec. 7.2.1), on group_link(gpus). With
       framework.overlap_dp (DDP's buckets, FSDP, Megatron-Core's --overlap-grad-reduce) the reduction
       runs during the backward; only what outlasts the last micro-batch's backward through the stage,
-      when the last gradients are ready, is exposed (the backward: 2 of the 3 forward-sized passes, 3 of
-      4 with full recomputation's extra forward).
-    bubble: (p - 1) / (v m) of compute + TP + CP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1
+      when the last gradients are ready, is exposed.
+    bubble: (p - 1) / (v m) of the micro-batches' compute + TP + CP time (`simulator.bubble_over_ideal`, Narayanan Sec. 2.2.1
       and 2.2.2 for the interleaved schedule's v chunks per stage).
     """
     check_machine(machine)
@@ -323,10 +329,16 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     m = global_batch // (dp * micro_batch)
     memory = memory_per_gpu(cfg, micro_batch, precision, dp, tp, pp, cp, zero, recompute, framework)
     layers = stage_layers(cfg.n_layers, pp)
-    uneven = layers * pp / cfg.n_layers   # 1 when pp divides the layers
-    compute = uneven * step_flops(cfg, global_batch, recompute) / (gpus * machine.peak_tflops_bf16 * 1e12 * efficiency)
-    forward_passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
     positions = micro_batch * cfg.seq_len // cp   # tokens of one micro-batch on one rank
+    device = machine.device
+    layer = layer_s(cfg, device, positions, tp, cp, framework)
+    again = {"none": 0.0, "selective": layer["attention_forward"], "full": layer["forward"]}[recompute]
+    per_layer = layer["forward"] + layer["backward"] + again
+    left = cfg.n_layers - (pp - 1) * layers   # the last stage's layers
+    stage = max(layers * per_layer, left * per_layer + head_s(cfg, device, positions, tp)) / efficiency
+    share = -(-count_params(cfg, padded=True) * layers // (tp * cfg.n_layers))   # the fullest stage's parameters
+    compute = m * stage + optimizer_s(share // (dp * cp) if zero else share, device) / efficiency
+    forward_passes = {"forward": 2 if recompute == "full" else 1, "backward": 1}
 
     tp_comm = 0.0
     if tp > 1:
@@ -338,7 +350,7 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
                               * all_reduce_ring(payload / calls, tp, alpha, 1 / (gbps * 1e9)))
         tp_comm = m * layers * per_layer
         if framework.overlap_tp:
-            tp_comm = max(0.0, tp_comm - compute)
+            tp_comm = max(0.0, tp_comm - m * stage)
 
     cp_comm = 0.0
     if cp > 1:
@@ -360,7 +372,6 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
     if replicas > 1:
         alpha, gbps = group_link(machine, gpus)
         beta = 1 / (gbps * 1e9)
-        share = -(-count_params(cfg, padded=True) * layers // (tp * cfg.n_layers))   # the fullest stage's
         per = BYTES_PER_PARAM[precision]
         if zero:
             dp_comm = (reduce_scatter_ring(share * per["grads"], replicas, alpha, beta)
@@ -368,10 +379,9 @@ def evaluate(cfg, machine: Machine, gpus: int, global_batch: int, dp: int, tp: i
         else:
             dp_comm = all_reduce_ring(share * per["grads"], replicas, alpha, beta)
         if framework.overlap_dp:
-            last_backward = compute / m * (3 / 4 if recompute == "full" else 2 / 3)
-            dp_comm = max(0.0, dp_comm - last_backward)
+            dp_comm = max(0.0, dp_comm - layers * layer["backward"] / efficiency)
 
-    bubble = bubble_over_ideal(pp, m, virtual) * (compute + tp_comm + cp_comm)
+    bubble = bubble_over_ideal(pp, m, virtual) * (m * stage + tp_comm + cp_comm)
     return Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, zero=zero, recompute=recompute, microbatches=m,
                   memory_per_gpu=memory, fits=memory <= usable_bytes(machine), compute_s=compute, tp_comm_s=tp_comm,
                   cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, bubble_s=bubble, virtual=virtual)

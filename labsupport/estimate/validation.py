@@ -17,23 +17,17 @@ BAND = 0.15   # the issue's target: every run within 15 %, or a reason
 
 TERMS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble")
 
-_SMALL_LAYERS = ("not identified: the planner's 0.6 of peak reproduces Table 1's largest rows, and these smaller "
-                 "models, with 1 to 4 micro-batches a step, ran further from peak; for Korthikanti et al.'s 22B "
-                 "(one micro-batch) their Table 4 puts 0.97 s of the 1.10 s step in its 48 measured layers, the "
-                 "rest outside them")
 _MT_NLG = ("not identified: the quotations give neither the micro-batch nor the ZeRO stage nor the precision (taken "
            "as 1, ZeRO-1 and 16-bit), and the 1F1B bubble the model charges is 12 to 17 % of its step; Narayanan "
            "et al.'s 530B on TP 8 x PP 35 x DP 9, with Megatron-LM's interleaved schedule, measured 163 TFLOP/s "
-           "per GPU")
+           "per GPU, within 15 % of the model")
 _LLAMA_BUBBLE = ("the interleaved schedule's stages per GPU and the micro-batch are not printed: with one stage and "
                  "micro-batch 1 the bubble, (p - 1) / m with m = 32 or 16, is a third to half of the predicted step")
 REASONS = {
-    **{name: _SMALL_LAYERS for name in ("Narayanan 1.7B", "Narayanan 3.6B", "Narayanan 7.5B", "Narayanan 18.4B",
-                                        "22B, selective + SP")},
     **{f"MT-NLG 530B, DP {dp}": _MT_NLG for dp in (8, 10, 12)},
-    **{f"Frontier {m}": ("an MI250X GCD's best measured matmul rate is 0.77 of its peak against an A100's 0.87 "
-                         "(devices.py), about 1.13x of the 1.40x and 1.54x; the rest is not quantified here, and "
-                         "which layout each measured percentage comes from is not printed") for m in ("175b", "1t")},
+    **{f"Frontier {m}": ("the MI250X GCD's constants are 2024's (ROCm 6.2's matmul rate) or assumed (its attention "
+                         "rate and memory bandwidth: no measurement was found), the runs used 2023's ROCm, and which "
+                         "layout each measured percentage comes from is not printed") for m in ("175b", "1t")},
     "Llama 3 405B, 8,192 GPUs, 8k": _LLAMA_BUBBLE,
     "Llama 3 405B, 16,384 GPUs, 8k": _LLAMA_BUBBLE,
     "Llama 3 405B, 16,384 GPUs, 128k": _LLAMA_BUBBLE + (
