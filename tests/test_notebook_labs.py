@@ -120,7 +120,7 @@ def test_predictions_are_explained_from_the_lab_module_not_the_cell(path):
         assert isinstance(call.args[0], ast.Name) and call.args[0].id == f"guess_{key}", \
             f"{where}: why={key!r} should be the prediction's name, guess_{key} -> {key!r}"
         assert key in getattr(module, "WHY", {}), f"{where}: {key!r} is not in {module.__name__}.WHY"
-        passed = set(kw) - {"why", "unit", "label", "tolerance"}
+        passed = set(kw) - {"why", "unit", "label", "tolerance", "choices"}
         assert passed == predict.fields(module.WHY[key]), f"{where}: passes {passed}, the explanation takes others"
         for node in ast.walk(call):
             assert not isinstance(node, ast.JoinedStr), f"{where}: an f-string in a reveal call"
