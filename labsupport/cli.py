@@ -552,11 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     for arg, (flag, _) in _MACHINE_FLAGS.items():
         pl.add_argument(flag, dest=arg, type=int if arg == "gpus_per_node" else float, default=None)
     pl.add_argument("--device", choices=list(DEVICES), default=None,
-                    help="without --machine: the accelerator, whose measured rates the step time uses")
+                    help="without --machine: the accelerator, whose kernel rates the step time uses")
     pl.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     pl.add_argument("--precision", choices=list(BYTES_PER_PARAM), default="mixed")
     pl.add_argument("--efficiency", type=float, default=EFFICIENCY,
-                    help=f"fraction of peak FLOP/s the matmuls reach (default {EFFICIENCY})")
+                    help=f"share of the device's best measured kernel rates a whole step reaches (default {EFFICIENCY}, "
+                         "fitted to Narayanan et al.'s Table 1)")
     for flag in ("dp", "tp", "pp", "cp", "micro-batch"):
         pl.add_argument(f"--{flag}", type=int, default=None, help="fix this degree (default: the planner chooses)")
     pl.add_argument("--zero", type=int, default=None, choices=[0, 1])

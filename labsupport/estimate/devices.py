@@ -1,5 +1,6 @@
 """What the step-time model (step_time.py) knows of each accelerator: one set of constants per device,
-the same for every run on it, each from a datasheet or a cited measurement.
+the same for every run on it, each from a datasheet or a cited measurement, or an assumption where none
+was found (H100's and the MI250X's memory bandwidth, the MI250X's attention rate: said below).
 
 `machines.py` holds the nodes (how devices talk); this file holds how fast one device computes and
 moves its memory. Peaks are `flops.PEAK_TFLOPS`' dense 16-bit figures.
