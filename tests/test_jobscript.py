@@ -151,7 +151,8 @@ import json, os, sys
 env = {k: v for k, v in os.environ.items()
        if k.startswith(("SLURM_", "MASTER_")) or k in ("LD_LIBRARY_PATH", "FI_CXI_ATS", "NCCL_NET_GDR_LEVEL",
                                                      "CUDA_DEVICE_MAX_CONNECTIONS")}
-print(json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR"), "env": env}))
+line = json.dumps({"argv": sys.argv[1:], "run_dir": os.environ.get("LABSUPPORT_RUN_DIR"), "env": env}) + "\\n"
+os.write(1, line.encode())   # one write: the ranks of a node append to one log at once
 ' "$@" >> @LOG@
 """
 FAKE_SRUN = """#!/bin/sh

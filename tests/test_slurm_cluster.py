@@ -116,8 +116,8 @@ def jobs(cluster, tmp_path_factory):
         "crash": jobscript("--nodes", NODES, "--gpus-per-node", GPUS, "--cpus-per-gpu", 1, "--port", 29512,
                            "--job-name", "crash", "--", "python", "crash.py"),
     }
-    plan = cli("plan", "--model", "nano", "--gpus", NODES * GPUS, "--gpus-per-node", GPUS, "--gpu-memory-gb", 16,
-               "--peak-tflops", 100, "--intra-node-gbps", 100, "--inter-node-gbps", 25, "--tp", 2,
+    plan = cli("plan", "--model", "nano", "--gpus", NODES * GPUS, "--gpus-per-node", GPUS, "--device", "a100-40gb",
+               "--gpu-memory-gb", 16, "--intra-node-gbps", 100, "--inter-node-gbps", 25, "--tp", 2,
                "--emit", "jobscript", "--scheduler", "slurm", "--json")
     assert plan.returncode == 0, plan.stderr
     scripts["plan"] = json.loads(plan.stdout.splitlines()[-1])["jobscript"]

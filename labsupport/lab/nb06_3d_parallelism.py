@@ -186,8 +186,8 @@ register(Exercise(
            "labsupport.estimate.comm_cost prices a collective.",
            "Put the costs into one estimate of the step in seconds (compute: 24 s h^2 FLOPs per layer and "
            "sequence forward, x3 with backward, at about 64% of a GCD's 191.5 TFLOP/s, section 5's 0.77 x 0.835; "
-           "the last stage also runs the LM head, 2 s h V FLOPs forward, x3, about two thirds of a 22B layer: with "
-           "one layer a stage it sets the pace) and take the fastest layout that fits, with ZeRO-1 whenever dp > 1."),
+           "the last stage also runs the LM head, 2 s h V FLOPs forward, x3, about two thirds of a 22B layer: it "
+           "weighs most with a layer or two a stage) and take the fastest layout that fits, with ZeRO-1 whenever dp > 1."),
     solution='''
 from labsupport.estimate.comm_cost import all_reduce_ring
 from labsupport.estimate.memory import estimate_memory
